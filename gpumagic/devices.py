@@ -1,0 +1,414 @@
+"""Discover devices and parse device names, without touching CUDA.
+
+GPUs are listed through NVML and numbered the way torch numbers them: NVML's
+own order is PCI order, torch's follows ``CUDA_DEVICE_ORDER`` and
+``CUDA_VISIBLE_DEVICES`` (integers, UUIDs or their prefixes, MIG ids), so GPUs
+are matched by UUID and PCI bus id, never by index. Once the user has
+initialised CUDA, torch's own UUIDs settle the mapping exactly.
+
+Nothing here imports IPython's shell or creates a CUDA context.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import nvml, session
+from .errors import usage_error
+
+__all__ = [
+    "Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices",
+    "parse_device", "default_device", "current_device", "set_current_device",
+    "torch_cuda_initialized",
+]
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as torch numbers it (``cuda:<index>``), with its NVML handle."""
+    index: int
+    uuid: str
+    pci_bus_id: str | None
+    name: str
+    nvml_index: int | None = None
+    mig: bool = False
+    handle: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.index}"
+
+
+def torch_cuda_initialized() -> bool:
+    """True when this process has initialised CUDA through torch (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def normalize_bus_id(bus_id: str | bytes | None) -> str | None:
+    """``00000000:18:00.0`` (NVML) and ``0000:18:00.0`` (CUDA) -> ``0000:18:00.0``."""
+    bus_id = nvml.text(bus_id)
+    if not bus_id:
+        return None
+    parts = bus_id.strip().lower().split(":")
+    if len(parts) == 3:
+        domain, bus, devfn = parts
+        try:
+            return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{devfn}"
+        except ValueError:
+            return bus_id.lower()
+    return bus_id.lower()
+
+
+def _nvml_physical_gpus(nv) -> list[dict]:
+    """Every GPU NVML sees, in NVML's (PCI) order, with its MIG devices."""
+    gpus = []
+    count = nvml.query(nv.nvmlDeviceGetCount, default=0) or 0
+    for i in range(count):
+        handle = nvml.query(nv.nvmlDeviceGetHandleByIndex, i)
+        if handle is None:
+            continue
+        pci = nvml.query(nv.nvmlDeviceGetPciInfo, handle)
+        cc = nvml.query(nv.nvmlDeviceGetCudaComputeCapability, handle, default=(0, 0))
+        entry = {
+            "nvml_index": i,
+            "handle": handle,
+            "uuid": nvml.text(nvml.query(nv.nvmlDeviceGetUUID, handle)) or f"nvml-{i}",
+            "name": nvml.text(nvml.query(nv.nvmlDeviceGetName, handle)) or "GPU",
+            "pci_bus_id": normalize_bus_id(getattr(pci, "busId", None)),
+            "cc": tuple(cc) if cc else (0, 0),
+            "sms": _multiprocessors(nv, handle) or 0,
+            "migs": [],
+        }
+        mode = nvml.query(nv.nvmlDeviceGetMigMode, handle)
+        if mode and mode[0]:
+            for m in range(nvml.query(nv.nvmlDeviceGetMaxMigDeviceCount, handle, default=0) or 0):
+                mh = nvml.query(nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, m)
+                if mh is not None:
+                    entry["migs"].append({
+                        "handle": mh,
+                        "uuid": nvml.text(nvml.query(nv.nvmlDeviceGetUUID, mh)) or f"MIG-{i}-{m}",
+                        "name": nvml.text(nvml.query(nv.nvmlDeviceGetName, mh)) or entry["name"],
+                    })
+        gpus.append(entry)
+    return gpus
+
+
+def _multiprocessors(nv, handle) -> int | None:
+    attrs = nvml.query(getattr(nv, "nvmlDeviceGetAttributes", None) or (lambda h: None), handle)
+    return getattr(attrs, "multiprocessorCount", None) if attrs is not None else None
+
+
+def _cuda_order(gpus: list[dict], order: str | None) -> list[dict]:
+    """Order physical GPUs as CUDA enumerates them.
+
+    ``PCI_BUS_ID`` is NVML's order. The default, ``FASTEST_FIRST``, puts the
+    most capable GPUs first (compute capability, then multiprocessors) with
+    PCI order breaking ties; on machines with identical GPUs both agree.
+    """
+    by_pci = sorted(gpus, key=lambda g: (g["pci_bus_id"] or "", g["nvml_index"]))
+    if (order or "FASTEST_FIRST").strip().upper() == "PCI_BUS_ID":
+        return by_pci
+    return sorted(by_pci, key=lambda g: (-g["cc"][0], -g["cc"][1], -g["sms"]))
+
+
+def _parse_visible(spec: str, ordered: list[dict]) -> list[tuple[dict, dict | None]]:
+    """Apply ``CUDA_VISIBLE_DEVICES`` the way the CUDA driver does.
+
+    Entries are ordinals into the CUDA order, ``GPU-`` UUIDs (or unique
+    prefixes) or ``MIG-`` ids. An invalid entry ends the list; a repeated
+    device makes the whole list empty. Returns (gpu, mig or None) pairs.
+    """
+    chosen: list[tuple[dict, dict | None]] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            break
+        pick: tuple[dict, dict | None] | None = None
+        lowered = item.lower()
+        if lowered.startswith("gpu-") or lowered.startswith("mig-"):
+            candidates = []
+            for g in ordered:
+                if g["uuid"].lower().startswith(lowered):
+                    candidates.append((g, None))
+                for m in g["migs"]:
+                    if m["uuid"].lower().startswith(lowered):
+                        candidates.append((g, m))
+            if len(candidates) == 1:
+                pick = candidates[0]
+        else:
+            digits = ""
+            for ch in item:
+                if not ch.isdigit():
+                    break
+                digits += ch
+            if digits and int(digits) < len(ordered):
+                g = ordered[int(digits)]
+                pick = (g, g["migs"][0] if g["migs"] else None)
+        if pick is None:
+            break
+        key = (pick[0]["uuid"], pick[1]["uuid"] if pick[1] else None)
+        if any((g["uuid"], m["uuid"] if m else None) == key for g, m in chosen):
+            return []
+        chosen.append(pick)
+    return chosen
+
+
+def visible_gpus(environ: dict | None = None) -> list[Gpu]:
+    """The GPUs torch can use, as ``cuda:0``, ``cuda:1``..., matched to NVML.
+
+    Empty on a machine without NVML or GPUs. Never initialises CUDA.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        nv = nvml.lib()
+    except nvml.NvmlUnavailable:
+        return _torch_only_gpus()
+    ordered = _cuda_order(_nvml_physical_gpus(nv), env.get("CUDA_DEVICE_ORDER"))
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        pairs = [(g, g["migs"][0] if g["migs"] else None) for g in ordered]
+    else:
+        pairs = _parse_visible(spec, ordered)
+    gpus = [
+        Gpu(index=i, uuid=(m or g)["uuid"], pci_bus_id=g["pci_bus_id"], name=(m or g)["name"],
+            nvml_index=g["nvml_index"], mig=m is not None, handle=(m or g)["handle"])
+        for i, (g, m) in enumerate(pairs)
+    ]
+    return _confirm_with_torch(gpus)
+
+
+def _confirm_with_torch(gpus: list[Gpu]) -> list[Gpu]:
+    """Where CUDA is already initialised, renumber by torch's own UUIDs (exact)."""
+    if not gpus or not torch_cuda_initialized():
+        return gpus
+    import torch
+    by_uuid = {g.uuid.lower().removeprefix("gpu-").removeprefix("mig-"): g for g in gpus}
+    confirmed = []
+    for i in range(torch.cuda.device_count()):
+        try:
+            uuid = str(torch.cuda.get_device_properties(i).uuid).lower()
+        except Exception:
+            return gpus
+        g = by_uuid.get(uuid)
+        if g is None:
+            return gpus
+        confirmed.append(Gpu(i, g.uuid, g.pci_bus_id, g.name, g.nvml_index, g.mig, g.handle))
+    return confirmed
+
+
+def _torch_only_gpus() -> list[Gpu]:
+    """Without NVML, GPUs are known only if the user already initialised CUDA."""
+    if not torch_cuda_initialized():
+        return []
+    import torch
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(Gpu(i, f"GPU-{props.uuid}", None, props.name))
+    return gpus
+
+
+def _mhz_pair(nv, handle, clock) -> tuple:
+    return (nvml.query(nv.nvmlDeviceGetClockInfo, handle, clock),
+            nvml.query(nv.nvmlDeviceGetMaxClockInfo, handle, clock))
+
+
+def gpu_facts(gpu: Gpu, gpus: list[Gpu] | None = None) -> dict:
+    """Everything people look up about ``gpu``; unsupported fields are ``None``.
+
+    Memory in bytes, power in watts, clocks in MHz, utilisation in percent.
+    """
+    nv = nvml.lib()
+    h = gpu.handle
+    mem = nvml.query(nv.nvmlDeviceGetMemoryInfo, h)
+    util = nvml.query(nv.nvmlDeviceGetUtilizationRates, h)
+    cc = nvml.query(nv.nvmlDeviceGetCudaComputeCapability, h)
+    power = nvml.query(nv.nvmlDeviceGetPowerUsage, h)
+    limit = nvml.query(nv.nvmlDeviceGetEnforcedPowerLimit, h)
+    sm_now, sm_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_SM", 1))
+    mem_now, mem_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_MEM", 2))
+    facts = {
+        "device": gpu.device,
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "pci_bus_id": gpu.pci_bus_id,
+        "mig": gpu.mig,
+        "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
+        "multiprocessors": _multiprocessors(nv, h),
+        "memory_total": getattr(mem, "total", None),
+        "memory_used": getattr(mem, "used", None),
+        "memory_free": getattr(mem, "free", None),
+        "utilization_gpu": getattr(util, "gpu", None),
+        "utilization_memory": getattr(util, "memory", None),
+        "temperature_c": nvml.query(nv.nvmlDeviceGetTemperature, h, getattr(nv, "NVML_TEMPERATURE_GPU", 0)),
+        "power_w": power / 1000 if power is not None else None,
+        "power_limit_w": limit / 1000 if limit is not None else None,
+        "clock_sm_mhz": sm_now, "clock_sm_max_mhz": sm_max,
+        "clock_mem_mhz": mem_now, "clock_mem_max_mhz": mem_max,
+        "pcie_generation": nvml.query(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+        "pcie_width": nvml.query(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+        "nvlink_peers": _nvlink_peers(nv, h, gpus or []),
+    }
+    if facts["multiprocessors"] is None and torch_cuda_initialized():
+        import torch
+        facts["multiprocessors"] = torch.cuda.get_device_properties(gpu.index).multi_processor_count
+    return facts
+
+
+def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
+    """``{"cuda:1": 18}``: active NVLink links per peer (other ends by bus id)."""
+    max_links = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
+    enabled = getattr(nv, "NVML_FEATURE_ENABLED", 1)
+    by_bus = {g.pci_bus_id: g.device for g in gpus if g.pci_bus_id}
+    peers: dict[str, int] = {}
+    supported = False
+    for link in range(max_links):
+        state = nvml.query(nv.nvmlDeviceGetNvLinkState, handle, link)
+        if state is None:
+            continue
+        supported = True
+        if state != enabled:
+            continue
+        remote = nvml.query(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
+        bus = normalize_bus_id(getattr(remote, "busId", None))
+        name = by_bus.get(bus, bus or "unknown")
+        peers[name] = peers.get(name, 0) + 1
+    return peers if supported else None
+
+
+def system_facts() -> dict:
+    """Driver and CUDA versions (NVML) and torch's version (imports torch, not CUDA)."""
+    facts = {"driver_version": None, "cuda_driver_version": None, "nvml": nvml.unavailable_reason() or "ok"}
+    if nvml.available():
+        nv = nvml.lib()
+        facts["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))
+        cuda = nvml.query(nv.nvmlSystemGetCudaDriverVersion)
+        if cuda:
+            facts["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+    import torch
+    facts["torch_version"] = torch.__version__
+    facts["torch_cuda_version"] = torch.version.cuda
+    facts["cuda_initialized"] = torch_cuda_initialized()
+    return facts
+
+
+def cpu_facts() -> dict:
+    """The CPU as a device: name, cores, memory of the machine and of this kernel."""
+    import psutil
+    vm = psutil.virtual_memory()
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "device": "cpu",
+        "name": name,
+        "cores_logical": psutil.cpu_count(logical=True),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "memory_total": vm.total,
+        "memory_used": vm.total - vm.available,
+        "memory_free": vm.available,
+        "process_rss": psutil.Process().memory_info().rss,
+        "utilization_cpu": psutil.cpu_percent(interval=None),
+    }
+
+
+def _mps_available() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    try:
+        return bool(torch.backends.mps.is_available())
+    except Exception:
+        return False
+
+
+def available_devices(gpus: list[Gpu] | None = None) -> list[str]:
+    """Every device a cell can run on, e.g. ``['cpu', 'cuda:0', 'cuda:1', 'meta']``."""
+    gpus = visible_gpus() if gpus is None else gpus
+    names = ["cpu"] + [g.device for g in gpus]
+    if _mps_available():
+        names.append("mps")
+    names.append("meta")
+    return names
+
+
+def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
+    """Check ``spec`` against the devices that exist; return its canonical name.
+
+    Accepts ``cpu``, ``cuda`` (the current GPU), ``cuda:N``, ``N``, ``mps``,
+    ``meta`` and ``torch.device`` objects. Raises ``UsageError`` naming the
+    devices that exist.
+
+    >>> parse_device("0")            # doctest: +SKIP
+    'cuda:0'
+    """
+    gpus = visible_gpus() if gpus is None else gpus
+    text_spec = str(spec).strip().lower()
+    choices = available_devices(gpus)
+    if text_spec.isdigit():
+        text_spec = f"cuda:{text_spec}"
+    if text_spec in ("cpu", "meta"):
+        return text_spec
+    if text_spec in ("mps", "mps:0"):
+        if "mps" in choices:
+            return "mps"
+        raise usage_error("device 'mps' is not available on this machine", choices)
+    if text_spec == "cuda" or text_spec == "gpu":
+        if not gpus:
+            raise usage_error("device 'cuda' needs a GPU, and this machine has none visible", choices)
+        picked = session.picked_device()
+        return picked if picked and picked.startswith("cuda:") else "cuda:0"
+    if text_spec.startswith("cuda:"):
+        index = text_spec[5:]
+        if not index.isdigit():
+            raise usage_error(f"malformed device {str(spec)!r}", choices)
+        if not gpus:
+            raise usage_error(f"device {text_spec!r} needs a GPU, and this machine has none visible", choices)
+        if int(index) >= len(gpus):
+            raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible)", choices)
+        return f"cuda:{int(index)}"
+    raise usage_error(f"unknown device {str(spec)!r}", choices)
+
+
+def default_device(gpus: list[Gpu] | None = None) -> str:
+    """The picked device, else ``cuda:0`` where there is a GPU, else ``cpu``."""
+    picked = session.picked_device()
+    if picked:
+        return picked
+    gpus = visible_gpus() if gpus is None else gpus
+    return "cuda:0" if gpus else "cpu"
+
+
+def current_device():
+    """The session's current device as a ``torch.device``.
+
+    In a notebook::
+
+        %gpuinfo                 # pick cuda:1 in the dropdown
+        gpumagic.current_device()
+        device(type='cuda', index=1)
+    """
+    import torch
+    return torch.device(default_device())
+
+
+def set_current_device(spec) -> str:
+    """Make ``spec`` the device later gpumagic cells run on; returns its canonical name."""
+    name = parse_device(spec)
+    session.set_picked_device(name)
+    return name

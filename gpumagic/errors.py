@@ -1,0 +1,54 @@
+"""The error kinds gpumagic raises.
+
+One error path per kind:
+
+* bad arguments to a magic -> :class:`IPython.core.error.UsageError` (a plain
+  one: IPython shows it as a one-line message, subclasses get full tracebacks);
+* the user's own exception -> re-raised unchanged, with their line numbers;
+* an exception in a worker process -> :class:`WorkerError`.
+"""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+
+__all__ = ["UsageError", "WorkerError", "usage_error"]
+
+
+def usage_error(what: str, choices=None) -> UsageError:
+    """A UsageError whose message names the valid choices.
+
+    >>> str(usage_error("unknown device 'tpu'", ["cpu", "cuda:0"]))
+    "unknown device 'tpu'; valid choices: cpu, cuda:0"
+    """
+    if choices is not None:
+        listed = ", ".join(str(c) for c in choices) or "(none)"
+        what = f"{what}; valid choices: {listed}"
+    return UsageError(what)
+
+
+class WorkerError(RuntimeError):
+    """An exception raised in a worker process, shown with the worker's traceback.
+
+    ``rank`` and ``pid`` say which worker failed; ``remote_traceback`` is the
+    worker's formatted traceback, which points at the user's cell lines.
+    ``exc_type`` is the name of the worker's exception class.
+    """
+
+    def __init__(self, rank: int, pid: int | None, exc_type: str, message: str,
+                 remote_traceback: str = ""):
+        self.rank = rank
+        self.pid = pid
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} (pid {pid}) raised {exc_type}: {message}")
+
+    def _render_traceback_(self):
+        # IPython calls this instead of formatting our own (uninteresting) frames.
+        head = f"WorkerError: rank {self.rank} (pid {self.pid}) raised {self.exc_type}"
+        lines = [head, ""]
+        lines += self.remote_traceback.rstrip("\n").splitlines() or [f"{self.exc_type}: {self.message}"]
+        return lines
+
+    def __reduce__(self):
+        return (WorkerError, (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback))

@@ -1,0 +1,102 @@
+"""NVML, initialised once and lazily; unsupported fields become ``None``.
+
+NVML answers in microseconds and, unlike ``torch.cuda`` queries, never creates
+a CUDA context or initialises CUDA in this process, so every monitoring path
+in gpumagic goes through here.
+
+Tests swap in a stand-in library with :func:`use`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+_lock = threading.Lock()
+_lib: Any = None            # the pynvml module (from nvidia-ml-py), or a stand-in
+_error: str | None = None   # why NVML is unavailable, once we know
+_initialised = False
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used here (no library, no driver, no GPU)."""
+
+
+def use(library: Any | None) -> None:
+    """Use ``library`` as NVML from now on (``None``: forget, load lazily again).
+
+    The stand-in needs the ``nvml*`` functions gpumagic calls and an
+    ``NVMLError`` exception class, like the ``pynvml`` module.
+    """
+    global _lib, _error, _initialised
+    with _lock:
+        _lib, _error, _initialised = library, None, False
+
+
+def lib() -> Any:
+    """The initialised NVML module; raises :class:`NvmlUnavailable` with the reason."""
+    global _lib, _error, _initialised
+    if _initialised:
+        return _lib
+    with _lock:
+        if _initialised:
+            return _lib
+        if _error is not None:
+            raise NvmlUnavailable(_error)
+        try:
+            if _lib is None:
+                import pynvml  # provided by nvidia-ml-py
+                _lib = pynvml
+            _lib.nvmlInit()
+        except Exception as exc:  # library missing, driver missing, no GPU
+            _error = f"NVML is not available: {exc}"
+            raise NvmlUnavailable(_error) from None
+        _initialised = True
+        return _lib
+
+
+def available() -> bool:
+    try:
+        lib()
+        return True
+    except NvmlUnavailable:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    try:
+        lib()
+        return None
+    except NvmlUnavailable as exc:
+        return str(exc)
+
+
+def query(fn: str | Callable, *args, default=None):
+    """Call NVML function ``fn`` (name or callable); ``default`` where it is unsupported.
+
+    >>> query("nvmlDeviceGetTemperature", handle, 0)   # doctest: +SKIP
+    34
+    """
+    nv = lib()
+    func = getattr(nv, fn) if isinstance(fn, str) else fn
+    try:
+        return func(*args)
+    except Exception:  # NVMLError_NotSupported, NoPermission, GpuIsLost...
+        return default
+
+
+def text(value) -> str | None:
+    """NVML returns bytes from old bindings and str from new ones."""
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def shutdown() -> None:
+    global _initialised
+    with _lock:
+        if _initialised:
+            try:
+                _lib.nvmlShutdown()
+            except Exception:
+                pass
+        _initialised = False

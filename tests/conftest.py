@@ -1,0 +1,60 @@
+"""Shared fixtures: a real InteractiveShell with gpumagic loaded, and GPU skips."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _cuda_count() -> int:
+    # Through NVML so that collecting tests never initialises CUDA in this process.
+    try:
+        from gpumagic.devices import visible_gpus
+        return len(visible_gpus())
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    count = _cuda_count()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    skip_gpu2 = pytest.mark.skip(reason="needs two CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and count < 1:
+            item.add_marker(skip_gpu)
+        if "gpu2" in item.keywords and count < 2:
+            item.add_marker(skip_gpu2)
+
+
+@pytest.fixture(scope="session")
+def _shell_instance():
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "gpumagic")
+    yield shell
+
+
+@pytest.fixture
+def shell(_shell_instance):
+    """The session's shell, gpumagic loaded, with a fresh namespace and the default device."""
+    from gpumagic import session
+    shell = _shell_instance
+    shell.reset(new_session=False)
+    if "gpumem" not in shell.magics_manager.magics["line"]:
+        shell.run_line_magic("load_ext", "gpumagic")
+    session.set_picked_device(None)
+    yield shell
+    session.set_picked_device(None)
+
+
+def run_cell(shell, source: str):
+    """Run ``source`` as a cell; returns (result, captured stdout+stderr text)."""
+    from IPython.utils.capture import capture_output
+    with capture_output(display=True) as cap:
+        result = shell.run_cell(source, store_history=True)
+    return result, cap.stdout + cap.stderr, cap
