@@ -1,0 +1,94 @@
+"""Shard a notebook's DataLoader across ranks without changing what it yields.
+
+``split="batch"`` (data parallel): every rank walks the same sequence of
+global batches as the original loader, shuffling included, and takes its
+equal slice of each one, so N ranks averaging gradients see exactly the
+single-process batches. ``split="dataset"`` (Hogwild): each rank takes every
+N-th sample of the epoch and batches it at the original batch size, so
+workers see different samples.
+
+Shuffling uses a generator seeded with ``seed + epoch``, identical on every
+rank: the epoch count advances on each pass, which is what
+``DistributedSampler.set_epoch`` does by hand.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, Sampler
+
+__all__ = ["ShardedBatchSampler", "shard_loader"]
+
+
+class ShardedBatchSampler(Sampler):
+    """Yield rank ``rank``'s share of the batches of ``batch_sampler``."""
+
+    def __init__(self, batch_sampler, rank: int, world_size: int, split: str = "batch", seed: int = 0,
+                 batch_size: int | None = None):
+        if split not in ("batch", "dataset"):
+            raise ValueError(f"split must be 'batch' or 'dataset', not {split!r}")
+        self.batch_sampler = batch_sampler
+        self.rank, self.world_size, self.split = rank, world_size, split
+        self.seed, self.epoch = seed, 0
+        self.batch_size = batch_size or getattr(batch_sampler, "batch_size", None) or 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _seed_shuffling(self):
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if isinstance(sampler, RandomSampler):
+            sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+
+    def __iter__(self):
+        self._seed_shuffling()
+        self.epoch += 1
+        if self.split == "batch":
+            for batch in self.batch_sampler:
+                batch = list(batch)
+                if len(batch) < self.world_size:
+                    continue  # a last batch too small to give every rank a sample
+                share = _chunk(batch, self.rank, self.world_size)
+                yield share
+        else:
+            mine = [i for n, i in enumerate(i for b in self.batch_sampler for i in b)
+                    if n % self.world_size == self.rank]
+            for start in range(0, len(mine), self.batch_size):
+                yield mine[start:start + self.batch_size]
+
+    def __len__(self):
+        if self.split == "batch":
+            return len(self.batch_sampler)
+        total = sum(1 for _ in range(len(self.batch_sampler.sampler))) if hasattr(self.batch_sampler, "sampler") else 0
+        per_rank = (total - self.rank + self.world_size - 1) // self.world_size
+        return (per_rank + self.batch_size - 1) // self.batch_size
+
+
+def _chunk(batch: list, rank: int, world: int) -> list:
+    """Rank's contiguous slice; sizes differ by at most one, like ``tensor_split``."""
+    base, extra = divmod(len(batch), world)
+    start = rank * base + min(rank, extra)
+    return batch[start:start + base + (1 if rank < extra else 0)]
+
+
+def shard_loader(loader: DataLoader, rank: int, world_size: int, split: str = "batch", seed: int = 0) -> DataLoader:
+    """A DataLoader over the same dataset that yields rank's share of ``loader``.
+
+    >>> sharded = shard_loader(train_loader, rank=1, world_size=2)   # doctest: +SKIP
+    """
+    if loader.batch_sampler is None:
+        raise ValueError("a DataLoader with batch_size=None cannot be sharded")
+    sampler = ShardedBatchSampler(loader.batch_sampler, rank, world_size, split, seed,
+                                  batch_size=loader.batch_size)
+    kwargs = dict(
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    return DataLoader(loader.dataset, **kwargs)
