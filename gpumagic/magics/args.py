@@ -1,0 +1,17 @@
+"""Argument parsing for every magic: a bad flag names the valid ones."""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import parse_argstring
+
+
+def parse(magic_func, line: str):
+    """``parse_argstring`` whose errors end with the magic's usage line.
+
+    >>> args = parse(self.gpuinfo, line)   # doctest: +SKIP
+    """
+    try:
+        return parse_argstring(magic_func, line)
+    except UsageError as exc:
+        usage = " ".join(magic_func.parser.format_usage().replace("::", "").split()).replace("usage: ", "", 1)
+        raise UsageError(f"{exc}; usage: {usage}") from None

@@ -1,0 +1,146 @@
+"""``%gpuinfo``: every device, with the facts people look up, and a device picker."""
+from __future__ import annotations
+
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .args import parse
+
+from .. import display, session
+
+# (label, key, formatter) rows of the table; devices are its columns.
+_B = display.fmt_bytes
+ROWS = [
+    ("name", "name", str),
+    ("uuid", "uuid", str),
+    ("pci bus id", "pci_bus_id", str),
+    ("compute capability", "compute_capability", str),
+    ("multiprocessors", "multiprocessors", str),
+    ("memory total", "memory_total", _B),
+    ("memory used", "memory_used", _B),
+    ("memory free", "memory_free", _B),
+    ("torch allocated", "torch_allocated", _B),
+    ("torch reserved", "torch_reserved", _B),
+    ("torch peak", "torch_peak", _B),
+    ("kernel resident", "process_rss", _B),
+    ("utilisation", "utilization_gpu", lambda v: f"{v} %"),
+    ("utilisation", "utilization_cpu", lambda v: f"{v:.0f} %"),
+    ("memory utilisation", "utilization_memory", lambda v: f"{v} %"),
+    ("cores (logical/physical)", "cores_logical", None),
+    ("temperature", "temperature_c", lambda v: f"{v} C"),
+    ("power", "power_w", lambda v: f"{v:.0f} W"),
+    ("power limit", "power_limit_w", lambda v: f"{v:.0f} W"),
+    ("SM clock", "clock_sm_mhz", lambda v: f"{v} MHz"),
+    ("SM clock max", "clock_sm_max_mhz", lambda v: f"{v} MHz"),
+    ("memory clock", "clock_mem_mhz", lambda v: f"{v} MHz"),
+    ("memory clock max", "clock_mem_max_mhz", lambda v: f"{v} MHz"),
+    ("PCIe", "pcie_generation", None),
+    ("NVLink peers", "nvlink_peers", None),
+    ("MIG", "mig", lambda v: "yes" if v else "no"),
+]
+GPU_ONLY = {"uuid", "pci_bus_id", "compute_capability", "multiprocessors", "utilization_memory",
+            "temperature_c", "power_w", "power_limit_w", "clock_sm_mhz", "clock_sm_max_mhz",
+            "clock_mem_mhz", "clock_mem_max_mhz", "pcie_generation", "nvlink_peers", "mig"}
+
+
+def _cell(device: dict, key: str, formatter) -> str | None:
+    """One table cell; ``None`` when the row does not apply to this kind of device."""
+    is_gpu = device["device"].startswith("cuda:")
+    if key in GPU_ONLY and not is_gpu:
+        return None
+    if key == "cores_logical":
+        return f"{device['cores_logical']}/{device['cores_physical']}" if "cores_logical" in device else None
+    if key == "pcie_generation":
+        gen, width = device.get("pcie_generation"), device.get("pcie_width")
+        return f"gen {gen} x{width}" if gen is not None else display.NA
+    if key == "nvlink_peers":
+        peers = device.get("nvlink_peers")
+        if not peers:
+            return display.NA if peers is None else "none"
+        return ", ".join(f"{peer} ({links} links)" for peer, links in peers.items())
+    if key not in device:
+        return None
+    value = device[key]
+    if value is None:
+        return display.NA
+    return formatter(value)
+
+
+def render_report(report: dict) -> display.Rendered:
+    """The report as a table whose columns are devices (text and HTML)."""
+    devs = report["devices"]
+    header = ["", *[d["device"] for d in devs]]
+    rows = []
+    for label, key, formatter in ROWS:
+        cells = [_cell(d, key, formatter) for d in devs]
+        if all(c is None for c in cells):
+            continue
+        rows.append([label, *[c if c is not None else "" for c in cells]])
+    system = report["system"]
+    footer = (f"driver {system.get('driver_version') or display.NA}, "
+              f"CUDA (driver) {system.get('cuda_driver_version') or display.NA}, "
+              f"torch {system['torch_version']} (CUDA {system.get('torch_cuda_version') or 'none'}), "
+              f"CUDA initialised in this kernel: {'yes' if system['cuda_initialized'] else 'no'}")
+    attr_rows = _attribute_rows(devs)
+    text = display.text_table(rows, header) + "\n" + footer
+    html = display.html_table(rows, header) + f"<p>{footer}</p>"
+    if attr_rows:
+        gpu_header = ["CUDA attribute", *[d["device"] for d in devs if "attributes" in d]]
+        text += "\n\n" + display.text_table(attr_rows, gpu_header)
+        html += display.html_table(attr_rows, gpu_header)
+    for note in report["notes"]:
+        text += f"\nnote: {note}"
+        html += f"<p><i>note: {note}</i></p>"
+    return display.Rendered(text, html)
+
+
+def _attribute_rows(devs: list[dict]) -> list[list[str]]:
+    with_attrs = [d for d in devs if "attributes" in d]
+    if not with_attrs:
+        return []
+    names = sorted({k for d in with_attrs for k in d["attributes"]})
+    return [[n, *[str(d["attributes"].get(n, display.NA)) for d in with_attrs]] for n in names]
+
+
+@magics_class
+class InfoMagics(Magics):
+
+    @magic_arguments()
+    @argument("device", nargs="?", default=None,
+              help="show one device: cpu, cuda, cuda:N, N, mps, meta (default: all)")
+    @argument("--all", action="store_true", dest="all_attributes",
+              help="add every CUDA attribute through pycuda (asked in a short-lived subprocess)")
+    @argument("--json", action="store_true", help="return the facts as a plain dict instead of showing them")
+    @line_magic
+    def gpuinfo(self, line=""):
+        """Show every device: name, memory, compute capability, utilisation, topology, driver.
+
+        Queries go through NVML and never initialise CUDA in the kernel. In a
+        notebook a device picker follows the table: the device picked is where
+        later gpumagic cells run (``gpumagic.current_device()``).
+
+        Examples
+        --------
+        ::
+
+            %gpuinfo
+            %gpuinfo cuda:1 --all
+            facts = %gpuinfo --json
+        """
+        from ..devices import parse_device
+        from ..inventory import device_report
+
+        args = parse(self.gpuinfo, line)
+        device = parse_device(args.device) if args.device is not None else None
+        report = device_report(device, with_pycuda=args.all_attributes)
+        if args.json:
+            return report
+        rendered = render_report(report)
+        if display.widgets_supported(self.shell):
+            from IPython.display import display as show
+            from ..widgets.picker import DevicePicker, close_all_pickers
+            session.register_closer("pickers", close_all_pickers)
+            show(rendered)
+            show(DevicePicker(device_report()["devices"] if device else report["devices"]).widget)
+        else:
+            print(rendered.text)

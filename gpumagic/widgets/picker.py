@@ -1,0 +1,92 @@
+"""The device picker: a dropdown whose choice becomes the session's device.
+
+In a notebook::
+
+    %gpuinfo                     # shows the picker under the table
+    picker = gpumagic.widgets.picker.DevicePicker()
+    picker.value = "cpu"         # what choosing in the dropdown does
+    gpumagic.current_device()
+    device(type='cpu')
+"""
+from __future__ import annotations
+
+import weakref
+
+from .. import devices, session
+from ..display import fmt_bytes
+
+__all__ = ["DevicePicker", "device_options", "close_all_pickers"]
+
+_open: "weakref.WeakSet[DevicePicker]" = weakref.WeakSet()
+
+
+def device_options(report_devices: list[dict]) -> list[tuple[str, str]]:
+    """Dropdown entries ``(label, value)``: ``cpu`` and each ``cuda:N`` with name and free memory."""
+    options = []
+    for d in report_devices:
+        name = d.get("name") or d["device"]
+        if d["device"].startswith("cuda:"):
+            label = f"{d['device']}: {name}, {fmt_bytes(d.get('memory_free'))} free"
+        else:
+            label = f"{d['device']}: {name}"
+        options.append((label, d["device"]))
+    return options
+
+
+class DevicePicker:
+    """A dropdown of devices; picking one calls :func:`gpumagic.set_current_device`.
+
+    The dropdown also follows the session: if the device is set from code, every
+    open picker shows it.
+    """
+
+    def __init__(self, report_devices: list[dict] | None = None):
+        import ipywidgets as w
+        if report_devices is None:
+            from ..inventory import device_report
+            report_devices = device_report()["devices"]
+        options = device_options([d for d in report_devices if d["device"] != "meta"])
+        current = devices.default_device()
+        values = [v for _, v in options]
+        self.widget = w.Dropdown(
+            options=options,
+            value=current if current in values else values[0],
+            description="Device:",
+            style={"description_width": "initial"},
+            layout=w.Layout(width="max-content"),
+        )
+        self.widget.add_class("gpumagic-device-picker")
+        self.widget.observe(self._on_pick, names="value")
+        self._unlisten = session.on_device_change(self._on_session_change)
+        _open.add(self)
+
+    @property
+    def value(self) -> str:
+        return self.widget.value
+
+    @value.setter
+    def value(self, device: str) -> None:
+        self.widget.value = device
+
+    def _on_pick(self, change) -> None:
+        if change["new"] != session.picked_device():
+            devices.set_current_device(change["new"])
+
+    def _on_session_change(self, device) -> None:
+        target = device or devices.default_device()
+        if self.widget.value != target and target in [v for _, v in self.widget.options]:
+            self.widget.value = target
+
+    def close(self) -> None:
+        self._unlisten()
+        self.widget.close()
+        _open.discard(self)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        display(self.widget)
+
+
+def close_all_pickers() -> None:
+    for picker in list(_open):
+        picker.close()

@@ -1,0 +1,142 @@
+"""Device discovery against a stand-in NVML, and device-name parsing."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from gpumagic import devices, nvml, session
+from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    fake = four_gpu_machine()
+    nvml.use(fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    yield fake
+    nvml.use(None)
+    session.set_picked_device(None)
+
+
+def uuids(env=None):
+    return [g.uuid for g in devices.visible_gpus(env)]
+
+
+def test_all_gpus_in_pci_order_without_environment(machine):
+    assert uuids({}) == ["GPU-aaaa1111", "GPU-bbbb2222", "GPU-cccc3333", "GPU-dddd4444"]
+    assert [g.device for g in devices.visible_gpus({})] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+
+
+def test_reordered_integer_visible_devices(machine):
+    assert uuids({"CUDA_VISIBLE_DEVICES": "2,0"}) == ["GPU-cccc3333", "GPU-aaaa1111"]
+    gpus = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert [(g.device, g.pci_bus_id, g.nvml_index) for g in gpus] == [
+        ("cuda:0", "0000:ab:00.0", 3), ("cuda:1", "0000:2a:00.0", 1)]
+
+
+def test_uuid_valued_visible_devices_and_prefixes(machine):
+    assert uuids({"CUDA_VISIBLE_DEVICES": "GPU-dddd4444,GPU-bbbb"}) == ["GPU-dddd4444", "GPU-bbbb2222"]
+    # An unknown UUID ends the list, as in the CUDA driver.
+    assert uuids({"CUDA_VISIBLE_DEVICES": "1,GPU-ffff,0"}) == ["GPU-bbbb2222"]
+
+
+def test_invalid_and_duplicate_entries(machine):
+    assert uuids({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert uuids({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert uuids({"CUDA_VISIBLE_DEVICES": "1,7,2"}) == ["GPU-bbbb2222"]
+    assert uuids({"CUDA_VISIBLE_DEVICES": "1,1"}) == []
+
+
+def test_device_order_fastest_first_vs_pci_bus_id():
+    fake = FakeNvml([
+        gpu("GPU-old", "00000000:18:00.0", name="Tesla V100", cc=(7, 0), sms=80),
+        gpu("GPU-new", "00000000:2A:00.0", name="NVIDIA H200", cc=(9, 0), sms=132),
+    ])
+    nvml.use(fake)
+    try:
+        assert uuids({}) == ["GPU-new", "GPU-old"]
+        assert uuids({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == ["GPU-old", "GPU-new"]
+        # Integers index into the order CUDA_DEVICE_ORDER chose.
+        assert uuids({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}) == ["GPU-new"]
+        assert uuids({"CUDA_VISIBLE_DEVICES": "1"}) == ["GPU-old"]
+    finally:
+        nvml.use(None)
+
+
+def test_mig_devices_by_id():
+    migs = [dict(uuid="MIG-1111-a", name="H200 1g.18gb", handle=None), dict(uuid="MIG-1111-b", name="H200 3g.71gb")]
+    fake = FakeNvml([gpu("GPU-aaaa", "00000000:18:00.0", migs=migs), gpu("GPU-bbbb", "00000000:2A:00.0")])
+    nvml.use(fake)
+    try:
+        gpus = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "MIG-1111-b,GPU-bbbb"})
+        assert [(g.uuid, g.name, g.mig) for g in gpus] == [
+            ("MIG-1111-b", "H200 3g.71gb", True), ("GPU-bbbb", "NVIDIA H200", False)]
+        facts = devices.gpu_facts(gpus[0], gpus)
+        assert facts["mig"] is True and facts["device"] == "cuda:0"
+    finally:
+        nvml.use(None)
+
+
+def test_facts_are_matched_by_uuid_and_unsupported_fields_are_none(machine):
+    gpus = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1,0"})
+    facts = [devices.gpu_facts(g, gpus) for g in gpus]
+    # cuda:1 is NVML's device 1: 5 GiB used.
+    assert facts[1]["uuid"] == "GPU-bbbb2222" and facts[1]["memory_used"] == 5 * 2**30
+    assert facts[1]["memory_free"] == 136 * 2**30
+    assert facts[1]["compute_capability"] == "9.0" and facts[1]["multiprocessors"] == 132
+    assert facts[1]["power_w"] == 123.0 and facts[1]["pcie_generation"] == 5
+    # NVLink peers are named by torch index where the peer is visible, else by bus id.
+    assert facts[1]["nvlink_peers"] == {"cuda:2": 2}
+    # cuda:0 (NVML 3) supports nothing beyond memory: n/a, no exception.
+    assert facts[0]["temperature_c"] is None and facts[0]["utilization_gpu"] is None
+    assert facts[0]["nvlink_peers"] is None and facts[0]["memory_total"] == 141 * 2**30
+
+
+def test_parse_device_accepts_every_form(machine):
+    assert devices.parse_device("cpu") == "cpu"
+    assert devices.parse_device("CUDA:2") == "cuda:2"
+    assert devices.parse_device("3") == "cuda:3"
+    assert devices.parse_device("cuda") == "cuda:0"
+    assert devices.parse_device("meta") == "meta"
+    session.set_picked_device("cuda:1")
+    assert devices.parse_device("cuda") == "cuda:1"
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("cuda:4", "out of range"), ("tpu", "unknown device"), ("cuda:x", "malformed"), ("mps", "not available"),
+])
+def test_parse_device_errors_name_the_choices(machine, spec, words):
+    with pytest.raises(UsageError) as info:
+        devices.parse_device(spec)
+    message = str(info.value)
+    assert words in message
+    assert "cpu, cuda:0, cuda:1, cuda:2, cuda:3, meta" in message
+
+
+def test_no_gpu_machine():
+    # This machine: no NVML library, no GPU.
+    nvml.use(None)
+    if nvml.available():
+        pytest.skip("NVML is present here")
+    assert devices.visible_gpus() == []
+    assert devices.default_device() == "cpu"
+    with pytest.raises(UsageError, match="needs a GPU.*valid choices: cpu, meta"):
+        devices.parse_device("cuda")
+
+
+def test_current_device_follows_the_pick(machine):
+    import gpumagic
+    assert str(gpumagic.current_device()) == "cuda:0"
+    assert gpumagic.set_current_device(2) == "cuda:2"
+    assert str(gpumagic.current_device()) == "cuda:2"
+    with pytest.raises(UsageError):
+        gpumagic.set_current_device("cuda:9")
+    assert str(gpumagic.current_device()) == "cuda:2"
+
+
+def test_discovery_never_initialises_cuda(machine):
+    import torch
+    devices.visible_gpus()
+    [devices.gpu_facts(g) for g in devices.visible_gpus()]
+    assert not torch.cuda.is_initialized()

@@ -1,0 +1,156 @@
+"""%gpuinfo through a real InteractiveShell, the device picker, and extension loading."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from IPython.utils.capture import capture_output
+
+import gpumagic
+from gpumagic import nvml, session
+from tests.conftest import run_cell
+from tests.fake_nvml import four_gpu_machine
+
+
+@pytest.fixture
+def fake_machine(monkeypatch):
+    nvml.use(four_gpu_machine())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,1,3")
+    yield
+    nvml.use(None)
+
+
+@pytest.fixture
+def notebook(shell, monkeypatch):
+    """The shell as a Jupyter kernel would be: widgets are displayed."""
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)
+    yield shell
+
+
+def test_text_table_on_this_machine(shell):
+    result, out, _ = run_cell(shell, "%gpuinfo")
+    assert result.success
+    assert "cpu" in out and "memory total" in out and "torch " in out
+    assert "CUDA initialised in this kernel: no" in out
+
+
+def test_json_returns_plain_data(shell):
+    import psutil
+    report = shell.run_line_magic("gpuinfo", "--json")
+    cpu = report["devices"][0]
+    assert cpu["device"] == "cpu"
+    assert cpu["memory_total"] == psutil.virtual_memory().total
+    assert cpu["cores_logical"] == psutil.cpu_count()
+    assert report["system"]["torch_version"] == __import__("torch").__version__
+
+
+def test_table_numbers_gpus_as_torch_does(shell, fake_machine):
+    report = shell.run_line_magic("gpuinfo", "--json")
+    gpus = report["devices"][1:]
+    assert [(g["device"], g["uuid"]) for g in gpus] == [
+        ("cuda:0", "GPU-cccc3333"), ("cuda:1", "GPU-aaaa1111"), ("cuda:2", "GPU-bbbb2222"), ("cuda:3", "GPU-dddd4444")]
+    assert report["system"]["driver_version"] == "580.159.04"
+    assert report["system"]["cuda_driver_version"] == "13.0"
+    # Peers follow torch's numbering too: NVML 0 <-> NVML 1 is cuda:1 <-> cuda:2.
+    assert gpus[1]["nvlink_peers"] == {"cuda:2": 2}
+    _, out, _ = run_cell(shell, "%gpuinfo")
+    assert "GPU-cccc3333" in out and "gen 5 x16" in out and "n/a" in out
+    assert "cuda:2 (2 links)" in out
+
+
+def test_one_device_and_bad_devices(shell, fake_machine):
+    report = shell.run_line_magic("gpuinfo", "cuda:2 --json")
+    assert [d["device"] for d in report["devices"]] == ["cuda:2"]
+    for bad, words in [("cuda:4", "out of range"), ("tpu", "unknown device")]:
+        result, out, _ = run_cell(shell, f"%gpuinfo {bad}")
+        assert not result.success
+        assert words in out and "cpu, cuda:0, cuda:1, cuda:2, cuda:3, meta" in out
+
+
+def test_bad_flag_names_the_valid_flags(shell):
+    result, out, _ = run_cell(shell, "%gpuinfo --everything")
+    assert not result.success
+    assert "unrecognized arguments: --everything" in out and "[--all] [--json] [device]" in out
+
+
+def test_help_lists_every_option(shell):
+    # `%gpuinfo?` shows this docstring, which magic_arguments extends with the options.
+    doc = shell.find_line_magic("gpuinfo").__doc__
+    for option in ("--all", "--json", "device", "Examples"):
+        assert option in doc
+
+
+def test_all_without_pycuda_says_how_to_get_it(shell):
+    import importlib.util
+    if importlib.util.find_spec("pycuda") is not None:
+        pytest.skip("pycuda is installed here")
+    _, out, _ = run_cell(shell, "%gpuinfo --all")
+    assert "pip install 'gpumagic[pycuda]'" in out
+
+
+def test_notebook_shows_a_picker_and_picking_sets_the_device(notebook, fake_machine):
+    with capture_output(display=True) as cap:
+        notebook.run_line_magic("gpuinfo", "")
+    kinds = [set(o.data) for o in cap.outputs]
+    assert any("text/html" in k for k in kinds)
+    assert any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
+
+    from gpumagic.widgets.picker import DevicePicker, _open
+    picker = next(iter(_open))
+    labels = [label for label, _ in picker.widget.options]
+    assert [v for _, v in picker.widget.options] == ["cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert labels[1].startswith("cuda:0: NVIDIA H200, ") and labels[1].endswith("GiB free")
+    assert picker.value == "cuda:0"
+    picker.value = "cuda:3"                    # what choosing in the dropdown does
+    assert str(gpumagic.current_device()) == "cuda:3"
+    gpumagic.set_current_device("cpu")         # and code moves every open picker
+    assert picker.value == "cpu"
+    second = DevicePicker()
+    assert second.value == "cpu"
+
+
+def test_terminal_shows_no_widget(shell, fake_machine):
+    with capture_output(display=True) as cap:
+        shell.run_line_magic("gpuinfo", "")
+    assert not cap.outputs
+    assert "cuda:3" in cap.stdout and "Dropdown" not in cap.stdout
+
+
+def test_unload_closes_pickers_and_removes_magics(notebook, fake_machine):
+    from gpumagic.widgets.picker import _open
+    with capture_output(display=True):
+        notebook.run_line_magic("gpuinfo", "")
+    widgets = [p.widget for p in _open]
+    assert widgets
+    notebook.run_line_magic("unload_ext", "gpumagic")
+    try:
+        assert "gpuinfo" not in notebook.magics_manager.magics["line"]
+        assert not list(_open)
+        assert all(w.comm is None for w in widgets)
+    finally:
+        notebook.run_line_magic("load_ext", "gpumagic")
+    assert "gpuinfo" in notebook.magics_manager.magics["line"]
+
+
+def test_loading_twice_is_harmless(shell):
+    gpumagic.load_ipython_extension(shell)
+    gpumagic.load_ipython_extension(shell)
+    result, out, _ = run_cell(shell, "%gpuinfo cpu")
+    assert result.success and out.count("memory total") == 1
+
+
+def test_import_is_light():
+    code = ("import sys, gpumagic, gpumagic.magics.info; "
+            "heavy = [m for m in ('torch', 'pynvml', 'ipywidgets') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_gpuinfo_never_initialises_cuda(shell, fake_machine):
+    import torch
+    shell.run_line_magic("gpuinfo", "--json")
+    with capture_output():
+        shell.run_line_magic("gpuinfo", "")
+    assert not torch.cuda.is_initialized()
+    assert session.picked_device() is None
