@@ -102,9 +102,22 @@ def _nvml_physical_gpus(nv) -> list[dict]:
     return gpus
 
 
+# CUDA cores per multiprocessor by compute capability (as CUDA's deviceQuery sample tabulates).
+_CORES_PER_SM = {(6, 0): 64, (6, 1): 128, (6, 2): 128, (7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64,
+                 (8, 6): 128, (8, 7): 128, (8, 9): 128, (9, 0): 128, (10, 0): 128, (10, 3): 128,
+                 (11, 0): 128, (12, 0): 128, (12, 1): 128}
+
+
 def _multiprocessors(nv, handle) -> int | None:
+    """NVML reports multiprocessors only for MIG devices; elsewhere derive them from the core count."""
     attrs = nvml.query(getattr(nv, "nvmlDeviceGetAttributes", None) or (lambda h: None), handle)
-    return getattr(attrs, "multiprocessorCount", None) if attrs is not None else None
+    count = getattr(attrs, "multiprocessorCount", None) if attrs is not None else None
+    if count:
+        return count
+    cores = nvml.query(getattr(nv, "nvmlDeviceGetNumGpuCores", None) or (lambda h: None), handle)
+    cc = nvml.query(nv.nvmlDeviceGetCudaComputeCapability, handle)
+    per_sm = _CORES_PER_SM.get(tuple(cc)) if cc else None
+    return cores // per_sm if cores and per_sm else None
 
 
 def _cuda_order(gpus: list[dict], order: str | None) -> list[dict]:
@@ -265,11 +278,18 @@ def gpu_facts(gpu: Gpu, gpus: list[Gpu] | None = None) -> dict:
 
 
 def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
-    """``{"cuda:1": 18}``: active NVLink links per peer (other ends by bus id)."""
+    """``{"cuda:1": 18}``: active NVLink links per peer GPU.
+
+    The far end of a link is read by PCI bus id. Where NVML cannot say (links
+    into an NVSwitch fabric, or a virtual machine, report ``ffffffff:ff:ff.0``),
+    GPUs that NVML says are peers over NVLink share all the active links.
+    """
     max_links = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
     enabled = getattr(nv, "NVML_FEATURE_ENABLED", 1)
     by_bus = {g.pci_bus_id: g.device for g in gpus if g.pci_bus_id}
     peers: dict[str, int] = {}
+    active = 0
+    unknown = 0
     supported = False
     for link in range(max_links):
         state = nvml.query(nv.nvmlDeviceGetNvLinkState, handle, link)
@@ -278,11 +298,26 @@ def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
         supported = True
         if state != enabled:
             continue
+        active += 1
         remote = nvml.query(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
         bus = normalize_bus_id(getattr(remote, "busId", None))
-        name = by_bus.get(bus, bus or "unknown")
-        peers[name] = peers.get(name, 0) + 1
-    return peers if supported else None
+        if bus in by_bus:
+            peers[by_bus[bus]] = peers.get(by_bus[bus], 0) + 1
+        else:
+            unknown += 1
+    if not supported:
+        return None
+    if unknown:
+        p2p = getattr(nv, "nvmlDeviceGetP2PStatus", None)
+        nvlink_index = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 3)
+        ok = getattr(nv, "NVML_P2P_STATUS_OK", 0)
+        fabric_peers = [g.device for g in gpus if g.handle is not None and g.handle is not handle
+                        and p2p is not None and nvml.query(p2p, handle, g.handle, nvlink_index) == ok]
+        for device in fabric_peers:
+            peers[device] = peers.get(device, 0) + unknown
+        if not fabric_peers:
+            peers["other"] = unknown
+    return peers
 
 
 def system_facts() -> dict:

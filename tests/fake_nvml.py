@@ -72,6 +72,8 @@ class FakeNvml:
         return h["cc"]
 
     def nvmlDeviceGetAttributes(self, h):
+        if h["sms"] is None:  # full GPUs: NVML answers for MIG devices only
+            raise NVMLError_NotSupported()
         return SimpleNamespace(multiprocessorCount=h["sms"])
 
     def nvmlDeviceGetMigMode(self, h):
@@ -150,3 +152,16 @@ def four_gpu_machine():
         gpu("GPU-cccc3333", "00000000:9C:00.0", nvlinks=["00000000:AB:00.0"] * 2),
         gpu("GPU-dddd4444", "00000000:AB:00.0", nvlinks=["00000000:9C:00.0"] * 2, supported=False),
     ])
+
+
+def fabric_machine():
+    """Two GPUs on an NVLink fabric whose far ends NVML cannot name (as in VMs and NVSwitch)."""
+    fake = FakeNvml([
+        gpu("GPU-aaaa", "00000000:00:06.0", nvlinks=["ffffffff:ff:ff.0"] * 3, sms=None),
+        gpu("GPU-bbbb", "00000000:00:07.0", nvlinks=["ffffffff:ff:ff.0"] * 3, sms=None),
+    ])
+    fake.NVML_P2P_CAPS_INDEX_NVLINK = 3
+    fake.NVML_P2P_STATUS_OK = 0
+    fake.nvmlDeviceGetP2PStatus = lambda a, b, index: 0 if index == 3 else 5
+    fake.nvmlDeviceGetNumGpuCores = lambda h: 16896
+    return fake

@@ -140,3 +140,15 @@ def test_discovery_never_initialises_cuda(machine):
     devices.visible_gpus()
     [devices.gpu_facts(g) for g in devices.visible_gpus()]
     assert not torch.cuda.is_initialized()
+
+
+def test_fabric_links_and_multiprocessors_from_core_count():
+    from tests.fake_nvml import fabric_machine
+    nvml.use(fabric_machine())
+    try:
+        gpus = devices.visible_gpus({})
+        facts = devices.gpu_facts(gpus[0], gpus)
+        assert facts["nvlink_peers"] == {"cuda:1": 3}
+        assert facts["multiprocessors"] == 132  # 16896 cores / 128 per SM on compute capability 9.0
+    finally:
+        nvml.use(None)
