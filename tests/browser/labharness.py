@@ -1,0 +1,231 @@
+"""A throw-away JupyterLab on loopback and a headless Debian Chromium driving it.
+
+Nothing here touches the user's Jupyter or IPython settings: every Jupyter
+folder (data, config, runtime, kernels, lab settings, workspaces) and the
+IPython profile live in a temporary directory, and the only kernel, ``python3``,
+is the Python running the tests with the repository on its path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+# Chromium on these machines runs as root without a display or network; these
+# flags keep it from needing a sandbox, a GPU, or any outside service.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-quic",
+    "--disable-dev-shm-usage",
+]
+
+
+def missing_requirements() -> list[str]:
+    """What the browser test lacks on this machine (empty when it can run)."""
+    missing = []
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"Debian chromium ({CHROMIUM})")
+    for module in ("jupyterlab", "playwright", "jupyterlab_widgets", "ipykernel"):
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"python package {module}")
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+class LabServer:
+    """``jupyter lab`` serving ``root`` on 127.0.0.1 with a random port and token."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.root = home / "notebooks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_hex(16)
+        self.port = None
+        self.proc = None
+        self.log_path = home / "jupyterlab.log"
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _environ(self) -> dict:
+        home = self.home
+        jupyter_path = home / "jupyter-path"
+        # The kernel is this very interpreter, with the checkout importable, so
+        # the notebook runs the gpumagic under test whether or not it is installed.
+        _write_json(jupyter_path / "kernels" / "python3" / "kernel.json", {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (ipykernel)",
+            "language": "python",
+            "metadata": {"debugger": False},
+        })
+        settings = home / "lab-settings"
+        # Render every cell (no virtual scrolling) so the test sees each output,
+        # and ask no outside server for news or updates.
+        _write_json(settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings",
+                    {"windowingMode": "none"})
+        _write_json(settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings",
+                    {"checkForUpdates": False, "fetchNews": "false"})
+        env = dict(os.environ)
+        pythonpath = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env.update({
+            "PYTHONPATH": os.pathsep.join(pythonpath),
+            "JUPYTER_PATH": str(jupyter_path),
+            "JUPYTER_DATA_DIR": str(home / "jupyter-data"),
+            "JUPYTER_CONFIG_DIR": str(home / "jupyter-config"),
+            "JUPYTER_RUNTIME_DIR": str(home / "jupyter-runtime"),
+            "IPYTHONDIR": str(home / "ipython"),
+            "JUPYTER_PLATFORM_DIRS": "0",
+            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        })
+        env.pop("JUPYTER_TOKEN", None)
+        return env
+
+    def start(self, timeout: float = 120.0) -> "LabServer":
+        env = self._environ()
+        self._log = open(self.log_path, "ab")
+        for attempt in range(3):  # a port found free can be taken before we bind it
+            self.port = _free_port()
+            cmd = [
+                sys.executable, "-m", "jupyterlab",
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.root}",
+                f"--LabApp.user_settings_dir={self.home / 'lab-settings'}",
+                f"--LabApp.workspaces_dir={self.home / 'lab-workspaces'}",
+                "--ServerApp.allow_remote_access=False",
+                "--ServerApp.shutdown_no_activity_timeout=1800",
+                "--MappingKernelManager.cull_idle_timeout=0",
+            ]
+            if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI machines run as root
+                cmd.append("--ServerApp.allow_root=True")
+            self.proc = subprocess.Popen(cmd, env=env, cwd=self.root, stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if self._wait_ready(timeout):
+                return self
+            self.stop()
+        raise RuntimeError(f"JupyterLab did not start; log:\n{self.log_text()}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                self.api("GET", "/api/status", timeout=2)
+                return True
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.3)
+        return False
+
+    def api(self, method: str, path: str, timeout: float = 10):
+        req = urllib.request.Request(self.url + path, method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-8000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Shut kernels and server down politely, then make sure no process is left."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            import psutil
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except Exception:
+            family = []
+        if proc.poll() is None:
+            try:
+                for kernel in self.api("GET", "/api/kernels", timeout=5) or []:
+                    self.api("DELETE", f"/api/kernels/{kernel['id']}", timeout=30)
+                self.api("POST", "/api/shutdown", timeout=10)
+            except Exception:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        # Kernels run in their own sessions: end any that outlived the server, by pid.
+        for p in family:
+            try:
+                if p.is_running() and p.status() != "zombie":
+                    p.kill()
+            except Exception:
+                pass
+        if self._log is not None:
+            self._log.flush()
+
+
+class Browser:
+    """Headless Debian Chromium under Playwright, with a fresh profile."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self._pw = None
+        self.context = None
+        self.console: list[str] = []
+
+    def start(self):
+        from playwright.sync_api import sync_playwright
+        self._pw = sync_playwright().start()
+        profile = self.home / "chromium-profile"
+        shutil.rmtree(profile, ignore_errors=True)
+        self.context = self._pw.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        self.context.set_default_timeout(60_000)
+        page = self.context.pages[0] if self.context.pages else self.context.new_page()
+        page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+        return page
+
+    def stop(self) -> None:
+        try:
+            if self.context is not None:
+                self.context.close()
+        finally:
+            self.context = None
+            if self._pw is not None:
+                self._pw.stop()
+                self._pw = None

@@ -1,0 +1,246 @@
+"""The tour notebook in a real JupyterLab, in headless Chromium, as a person uses it.
+
+A JupyterLab server runs on 127.0.0.1 (random port, token) over a temporary
+folder holding a copy of ``examples/01_tour.ipynb``; Debian's Chromium, driven
+by Playwright, opens it, runs every cell from the Run menu, and then checks
+what is on the screen:
+
+* every cell ran (a number in its prompt) and none shows an error;
+* the device picker is drawn, lists ``cpu``, and choosing a device in it
+  changes the kernel's current device (a cell typed afterwards prints it);
+* the memory gauges are drawn, and the kernel's figure on the CPU gauge rises
+  while a cell holds a large tensor and falls when it is deleted.
+
+Screenshots of each step go to ``artifacts/browser/``. The test skips only when
+Chromium, JupyterLab or Playwright are missing (``.ci/browser-deps.sh``
+installs them). Run it with::
+
+    python -m pytest -m browser tests/browser -v
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from labharness import ARTIFACTS, ROOT
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
+
+TOUR = ROOT / "examples" / "01_tour.ipynb"
+SHOTS = ARTIFACTS / "browser"
+RUN_ALL_TIMEOUT = 300  # seconds: the whole tour, a cold kernel and torch's import on a busy machine
+CELL_TIMEOUT = 120
+BIG_MIB = 512  # the tensor the test allocates while watching the gauge
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+# --------------------------------------------------------------------------- page helpers
+
+def _shot(page, name: str) -> str:
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return str(path)
+
+
+def _to_bytes(number: str, unit: str) -> float:
+    return float(number) * _UNITS[unit]
+
+
+def _dismiss_dialogs(page) -> None:
+    """Accept any dialog JupyterLab put up (a kernel choice on first open, say)."""
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        page.locator(".jp-Dialog .jp-mod-accept").first.click()
+        dialog.first.wait_for(state="detached")
+
+
+def _open_notebook(page, lab, name: str) -> None:
+    page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        _dismiss_dialogs(page)
+        if page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count():
+            return
+        time.sleep(0.5)
+    raise AssertionError("the kernel never became idle after opening the notebook")
+
+
+def _prompts(page) -> list[str]:
+    return page.eval_on_selector_all(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt",
+        "els => els.map(e => e.textContent.trim())")
+
+
+def _kernel_idle(page) -> bool:
+    return page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count() > 0
+
+
+def _wait_cells_done(page, timeout: float) -> list[str]:
+    """Wait until no cell is queued or running and the kernel is idle; returns the prompts."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        prompts = _prompts(page)
+        if prompts and not any("*" in p for p in prompts) and _kernel_idle(page):
+            time.sleep(0.5)  # idle may flicker between two queued cells
+            again = _prompts(page)
+            if again == prompts and _kernel_idle(page):
+                return prompts
+        time.sleep(0.5)
+    raise AssertionError(f"cells still running after {timeout} s: {_prompts(page)}")
+
+
+def _run_all(page) -> list[str]:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+        ".some(e => e.textContent.includes('*'))", timeout=60_000)
+    return _wait_cells_done(page, RUN_ALL_TIMEOUT)
+
+
+def _cells(page):
+    return page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+
+
+def _output_text(cell) -> str:
+    return cell.locator(".jp-OutputArea").inner_text()
+
+
+def _add_cell_and_run(page, source: str) -> object:
+    """Type ``source`` into a new cell at the end, as a person would, and run it."""
+    cells = _cells(page)
+    index = cells.count()
+    cells.nth(index - 1).locator(".jp-InputPrompt").click()   # select the last cell
+    page.keyboard.press("Escape")                             # command mode
+    page.keyboard.press("b")                                  # insert a cell below
+    page.wait_for_function(f"() => document.querySelectorAll('.jp-Notebook .jp-Cell').length > {index}")
+    new = cells.nth(index)
+    new.locator(".cm-content").click()
+    # insert_text types without key events, so the editor's bracket closing cannot add characters.
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Shift+Enter")
+    deadline = time.monotonic() + CELL_TIMEOUT
+    while time.monotonic() < deadline:
+        prompt = new.locator(".jp-InputPrompt").inner_text().strip()
+        if re.fullmatch(r"\[\d+\]:", prompt) and _kernel_idle(page):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"typed cell did not finish: {source!r}")
+    _assert_no_error(new, source)
+    return new
+
+
+_ERROR_LINE = re.compile(r"^\s*(\w+Error|\w+Exception|KeyboardInterrupt)\b.*", re.M)
+
+
+def _assert_no_error(cell, what: str) -> None:
+    text = _output_text(cell)
+    assert "Traceback (most recent call last)" not in text, f"{what} shows a traceback:\n{text}"
+    assert not _ERROR_LINE.search(text), f"{what} shows an error:\n{text}"
+    assert "Error displaying widget" not in text, f"{what}: a widget failed to render:\n{text}"
+
+
+def _gauges(page):
+    """Memory gauges on screen: ``HBox([HTML label, progress bar, HTML caption])``."""
+    return page.locator(".widget-hbox:has(> .widget-hprogress)")
+
+
+def _cpu_gauge(page):
+    gauge = _gauges(page).filter(has=page.locator(".widget-html-content", has_text=re.compile(r"^cpu\b")))
+    return gauge.last
+
+
+def _kernel_bytes(caption: str) -> float | None:
+    match = re.search(r"kernel\s+([\d.]+)\s*(B|KiB|MiB|GiB|TiB)", caption)
+    return _to_bytes(*match.groups()) if match else None
+
+
+def _wait_kernel_bytes(gauge, accept, timeout: float = 30.0) -> tuple[float, str]:
+    deadline = time.monotonic() + timeout
+    caption = ""
+    while time.monotonic() < deadline:
+        caption = gauge.locator(".widget-html-content").last.inner_text()
+        value = _kernel_bytes(caption)
+        if value is not None and accept(value):
+            return value, caption
+        time.sleep(0.25)
+    raise AssertionError(f"the CPU gauge never showed the expected kernel memory; last caption: {caption!r}")
+
+
+# --------------------------------------------------------------------------- the test
+
+def test_tour_in_jupyterlab(lab, page):
+    _open_notebook(page, lab, TOUR.name)
+    _shot(page, "01_opened")
+
+    # Every cell runs, and none shows an error.
+    prompts = _run_all(page)
+    _shot(page, "02_ran_all")
+    assert all(re.fullmatch(r"\[\d+\]:", p) for p in prompts), f"cells that did not run: {prompts}"
+    cells = _cells(page)
+    for i in range(cells.count()):
+        _assert_no_error(cells.nth(i), f"cell {i}")
+
+    # The device picker is drawn and offers at least the CPU.
+    picker = page.locator(".gpumagic-device-picker select").first
+    picker.wait_for(state="visible")
+    options = picker.locator("option").all_inner_texts()
+    devices = [o.replace("\xa0", " ").split(": ")[0].strip() for o in options]
+    assert "cpu" in devices, f"picker options: {options}"
+    shown = picker.evaluate("s => s.options[s.selectedIndex].textContent").replace("\xa0", " ").split(": ")[0]
+
+    # What the picker shows is the kernel's device...
+    cell = _add_cell_and_run(page, "import gpumagic\nprint(gpumagic.current_device())")
+    assert _output_text(cell).strip() == shown
+    # ...and choosing another device in it moves the kernel there.
+    others = [d for d in devices if d != shown]
+    chosen = others[0] if others else shown
+    picker.select_option(index=devices.index(chosen))
+    picker.evaluate("s => s.blur()")
+    time.sleep(1.0)  # the choice travels to the kernel over the widget comm
+    cell = _add_cell_and_run(page, "print(gpumagic.current_device())")
+    assert _output_text(cell).strip() == chosen, f"picked {chosen} in the dropdown"
+    if others:
+        # ...and back, so the device follows every choice, not only the first.
+        picker.select_option(index=devices.index(shown))
+        time.sleep(1.0)
+        cell = _add_cell_and_run(page, "print(gpumagic.current_device())")
+        assert _output_text(cell).strip() == shown
+    _shot(page, "03_picker")
+
+    # The gauges are drawn, and the kernel's memory on the CPU gauge follows a big tensor.
+    _add_cell_and_run(page, "%gpumem --watch")
+    gauge = _cpu_gauge(page)
+    gauge.wait_for(state="visible")
+    assert gauge.locator(".progress-bar").count() == 1
+    before, caption_before = _wait_kernel_bytes(gauge, lambda v: v > 0)
+    _add_cell_and_run(page, f"import torch\nbig = torch.ones({BIG_MIB} * 2**20 // 4)  # {BIG_MIB} MiB, every page written")
+    grown, caption_grown = _wait_kernel_bytes(gauge, lambda v: v >= before + 0.8 * BIG_MIB * 2**20)
+    _shot(page, "04_gauge_with_big_tensor")
+    _add_cell_and_run(page, "del big")
+    shrunk, caption_shrunk = _wait_kernel_bytes(gauge, lambda v: v <= grown - 0.5 * BIG_MIB * 2**20)
+    print(f"CPU gauge: {caption_before!r} -> {caption_grown!r} -> {caption_shrunk!r}")
+
+    # Stopping the gauges ends their thread; the kernel is still usable afterwards.
+    _add_cell_and_run(page, "%gpumem --stop")
+    cell = _add_cell_and_run(page, "import threading\nprint(sorted(t.name for t in threading.enumerate() if t.name.startswith('gpumagic')))")
+    assert _output_text(cell).strip() == "[]"
+    _shot(page, "05_done")
+
+    # The notebook as saved by the browser holds no error output either.
+    page.keyboard.press("Escape")
+    page.keyboard.press("Control+s")
+    page.wait_for_function(
+        "() => !document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)')"
+        "?.classList.contains('jp-mod-dirty') && !document.querySelector('.lm-TabBar-tab.jp-mod-dirty')",
+        timeout=30_000)
+    saved = json.loads((lab.root / TOUR.name).read_text())
+    errors = [o for c in saved["cells"] if c["cell_type"] == "code"
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"saved notebook has error outputs: {[e.get('ename') for e in errors]}"
