@@ -1,0 +1,137 @@
+"""``%gpumem``: memory per device, live gauges, which variables hold it, freeing it."""
+from __future__ import annotations
+
+import math
+
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .. import display
+from ..errors import UsageError, usage_error
+from .args import parse
+
+_ACTIONS = ("--watch", "--stop", "--vars", "--free")
+
+
+def memory_devices(gpus) -> list[str]:
+    """The devices ``%gpumem`` can show: the CPU, each GPU, and MPS where present."""
+    from ..devices import _mps_available
+    names = ["cpu"] + [g.device for g in gpus]
+    if _mps_available():
+        names.append("mps")
+    return names
+
+
+def check_args(args, gpus) -> str | None:
+    """Validate parsed arguments; returns the canonical device (None: all devices)."""
+    from ..devices import parse_device
+    chosen = [flag for flag in _ACTIONS if getattr(args, flag[2:])]
+    if len(chosen) > 1:
+        raise usage_error(f"{' and '.join(chosen)} cannot be combined; pick one", _ACTIONS)
+    if args.interval is not None:
+        if not args.watch:
+            raise usage_error("--interval only applies to --watch", ["--watch --interval S"])
+        if not (math.isfinite(args.interval) and args.interval > 0):
+            raise usage_error(f"--interval must be a positive number of seconds, not {args.interval}",
+                              ["0.25 (default)", "0.5", "1", "..."])
+    if args.device is None:
+        return None
+    choices = memory_devices(gpus)
+    try:
+        device = parse_device(args.device, gpus)
+    except UsageError as exc:  # name the devices %gpumem can show, not every device
+        raise usage_error(str(exc).split("; valid choices")[0], choices) from None
+    if device not in choices:
+        raise usage_error(f"device {device!r} holds no memory to show", choices)
+    return device
+
+
+def _show(shell, result) -> None:
+    """HTML in a notebook, text in a terminal."""
+    if display.widgets_supported(shell):
+        from IPython.display import display as show
+        show(result)
+    else:
+        print(result.text())
+
+
+def watch(shell, device: str | None, gpus, interval: float):
+    """Start the gauges (notebook) or print one snapshot (terminal); returns the monitor or None."""
+    from .. import memory
+    if not display.widgets_supported(shell):
+        print("Live gauges need a notebook (Jupyter with ipywidgets); here is one snapshot:")
+        print(memory.snapshot(device, gpus).text())
+        return None
+    from IPython.display import display as show
+    from ..widgets import monitor
+    mon = monitor.start(memory._targets(device, gpus), interval=interval)
+    show(mon.box)
+    return mon
+
+
+@magics_class
+class MemoryMagics(Magics):
+
+    @magic_arguments()
+    @argument("device", nargs="?", default=None,
+              help="one device: cpu, cuda, cuda:N, N, mps (default: every device)")
+    @argument("--watch", action="store_true",
+              help="live gauges, one per device, fed by one background thread (notebook only)")
+    @argument("--interval", type=float, default=None, metavar="S",
+              help="seconds between gauge updates with --watch (default 0.25: at most 4 a second)")
+    @argument("--stop", action="store_true", help="stop the gauges and close them")
+    @argument("--vars", action="store_true",
+              help="which notebook variables hold memory on which device, largest first")
+    @argument("--free", action="store_true",
+              help="collect garbage, release torch's cached blocks, report what was freed")
+    @line_magic
+    def gpumem(self, line=""):
+        """Memory per device: used/total, this kernel's share, torch's allocator figures.
+
+        GPU figures come from NVML and never initialise CUDA or create a CUDA
+        context; torch's allocated/reserved/peak appear for GPUs once the
+        kernel itself has used CUDA. For the CPU: the kernel's resident
+        memory and the machine's.
+
+        Examples
+        --------
+        ::
+
+            %gpumem                    # every device
+            %gpumem cuda:0 --watch     # a live gauge for cuda:0
+            %gpumem --watch --interval 1
+            %gpumem --stop
+            %gpumem --vars             # tensors, models, optimizer state by variable
+            %gpumem --free             # gc + empty_cache, and what it gave back
+        """
+        from .. import memory
+        from ..devices import visible_gpus
+        args = parse(self.gpumem, line)
+        gpus = visible_gpus()
+        device = check_args(args, gpus)
+
+        if args.stop:
+            stopped = _stop_monitor()
+            print("Stopped the memory gauges." if stopped else "No memory gauges were running.")
+            return None
+        if args.watch:
+            from ..widgets.monitor import DEFAULT_INTERVAL
+            watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL)
+            return None
+        if args.vars:
+            report = memory.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
+                                            device=device)
+            _show(self.shell, report)
+            return None
+        if args.free:
+            _show(self.shell, memory.free_memory(device))
+            return None
+        _show(self.shell, memory.snapshot(device, gpus))
+        return None
+
+
+def _stop_monitor() -> bool:
+    """Stop the gauges without importing ipywidgets when none ever ran."""
+    import sys
+    mod = sys.modules.get("gpumagic.widgets.monitor")
+    return mod.stop() if mod is not None else False
