@@ -1,0 +1,189 @@
+"""The one background thread that feeds every memory gauge of the kernel.
+
+A :class:`Monitor` reads memory every ``interval`` seconds (default 0.25 s,
+so at most 4 updates a second) through NVML and psutil only: it never
+imports torch nor initialises CUDA, so watching memory creates no CUDA
+context. Torch's allocator figures are added for devices where the user has
+already initialised CUDA. Gauges send nothing when their displayed value has
+not changed.
+
+Only one monitor runs per kernel: :func:`start` replaces the running one (its
+thread is stopped and its gauges closed), :func:`stop` ends it, and
+``%unload_ext gpumagic`` stops it through :func:`gpumagic.session.register_closer`.
+"""
+from __future__ import annotations
+
+import threading
+
+from .. import memory, session
+from ..display import fmt_bytes
+from .gauge import MemoryGauge
+
+__all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL"]
+
+THREAD_NAME = "gpumagic-memory-monitor"
+DEFAULT_INTERVAL = 0.25
+_CLOSER = "gpumem-monitor"
+
+_lock = threading.RLock()
+_current: Monitor | None = None
+
+
+def _detail(mem: memory.DeviceMemory) -> str:
+    """The words after used/total on a gauge."""
+    bits = []
+    if mem.device == "cpu":
+        if mem.process is not None:
+            bits.append(f"kernel {fmt_bytes(mem.process)}")
+    else:
+        if mem.process is not None:
+            bits.append(f"kernel {fmt_bytes(mem.process)}")
+        if mem.allocated is not None:
+            bits.append(f"torch {fmt_bytes(mem.allocated)} alloc / {fmt_bytes(mem.reserved)} reserved")
+    return " · ".join(bits)
+
+
+class Monitor:
+    """Gauges for ``targets`` (``"cpu"``, ``"mps"`` or :class:`gpumagic.devices.Gpu`) and their thread.
+
+    ``start()``, ``stop()`` and ``restart()`` may be called any number of
+    times. ``box`` is the widget to display; ``gauges`` maps device names to
+    :class:`~gpumagic.widgets.gauge.MemoryGauge`. ``ticks`` counts readings,
+    ``errors`` keeps the last few reading errors (the thread never dies of one).
+    """
+
+    def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True):
+        from ipywidgets import VBox
+        if not interval > 0:
+            raise ValueError(f"interval must be positive, not {interval!r}")
+        self.targets = list(targets)
+        self.interval = float(interval)
+        self.processes = processes
+        self.gauges: dict[str, MemoryGauge] = {}
+        for target in self.targets:
+            name = "CPU (machine)" if target == "cpu" else "Apple MPS" if target == "mps" else target.name
+            device = target if isinstance(target, str) else target.device
+            self.gauges[device] = MemoryGauge(device, name)
+        self.box = VBox(list(self.gauges.values()))
+        self.ticks = 0
+        self.errors: list[str] = []
+        self.closed = False
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._tick_lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def tick(self) -> int:
+        """Read every device once and update its gauge; returns how many gauges changed."""
+        changed = 0
+        with self._tick_lock:
+            if self.closed:
+                return 0
+            for target, gauge in zip(self.targets, self.gauges.values()):
+                try:
+                    mem = memory.device_memory(target, processes=self.processes)
+                except Exception as exc:  # a lost GPU must not kill the monitor
+                    self.errors = (self.errors + [f"{gauge.device}: {exc}"])[-10:]
+                    changed += gauge.show(None, None, "n/a: reading failed")
+                    continue
+                changed += gauge.show(mem.used, mem.total, _detail(mem))
+            self.ticks += 1
+        return changed
+
+    def _run(self) -> None:
+        # Waiting on the event, not sleeping, makes stop() take effect at once.
+        while not self._stop.wait(self.interval):
+            self.tick()
+
+    def start(self) -> Monitor:
+        if self.closed:
+            raise RuntimeError("this monitor was closed; start a new one with gpumagic.widgets.monitor.start")
+        if self.running:
+            return self
+        self._stop.clear()
+        self.tick()  # the gauges show figures before the first interval passes
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, close: bool = True) -> None:
+        """Stop the thread (waits for it); ``close`` also closes the widgets."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(5.0, 4 * self.interval))
+        self._thread = None
+        if close and not self.closed:
+            with self._tick_lock:
+                self.closed = True
+                for gauge in self.gauges.values():
+                    gauge.close()
+                self.box.close()
+
+    def restart(self, interval: float | None = None) -> Monitor:
+        """Restart the thread, optionally with a new interval; the gauges stay."""
+        if interval is not None:
+            if not interval > 0:
+                raise ValueError(f"interval must be positive, not {interval!r}")
+            self.interval = float(interval)
+        self.stop(close=False)
+        return self.start()
+
+    def text(self) -> str:
+        return "\n".join(g.text_line() for g in self.gauges.values())
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.text())
+
+
+def current() -> Monitor | None:
+    """The kernel's running monitor, if any."""
+    return _current
+
+
+def start(targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True) -> Monitor:
+    """Replace any running monitor with one for ``targets``; returns it, started.
+
+    In a notebook (what ``%gpumem --watch`` does)::
+
+        from gpumagic.widgets import monitor
+        m = monitor.start(["cpu"], interval=0.5)
+        m.box                  # display the gauges
+        monitor.stop()         # stops the thread and closes the gauges
+    """
+    global _current
+    with _lock:
+        stop()
+        mon = Monitor(targets, interval, processes)
+        mon.start()
+        _current = mon
+        session.register_closer(_CLOSER, stop)
+        return mon
+
+
+def stop() -> bool:
+    """Stop the running monitor and close its gauges; False when none was running."""
+    global _current
+    with _lock:
+        mon, _current = _current, None
+        session.unregister_closer(_CLOSER)
+    if mon is None:
+        return False
+    mon.stop(close=True)
+    return True
+
+
+def restart(interval: float | None = None) -> Monitor | None:
+    """Restart the running monitor's thread (new ``interval`` if given); None when none runs."""
+    with _lock:
+        mon = _current
+        if mon is None:
+            return None
+        return mon.restart(interval)

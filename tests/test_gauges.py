@@ -1,0 +1,263 @@
+"""Memory gauges and the one monitor thread: values, rate limits, lifecycle, closing."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from IPython.utils.capture import capture_output
+from ipywidgets import Widget
+from ipywidgets.widgets.widget import _instances
+
+from gpumagic import devices, nvml, session
+from gpumagic.widgets import monitor
+from gpumagic.widgets.gauge import MemoryGauge, bar_style_for
+from tests.conftest import run_cell
+from tests.fake_nvml import four_gpu_machine
+
+GiB = 2**30
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    fake = four_gpu_machine()
+    fake.gpus[0]["processes"] = [(os.getpid(), 2 * GiB)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    nvml.use(fake)
+    yield fake
+    monitor.stop()
+    nvml.use(None)
+
+
+@pytest.fixture
+def notebook(shell, monkeypatch):
+    """The shell as a Jupyter kernel would be: widgets are displayed."""
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)
+    yield shell
+    monitor.stop()
+
+
+@pytest.fixture
+def messages(monkeypatch):
+    """Count state messages each widget sends to the frontend (by model id)."""
+    sent: dict[str, int] = {}
+    original = Widget.send_state
+
+    def counting(self, key=None):
+        sent[self.model_id] = sent.get(self.model_id, 0) + 1
+        return original(self, key)
+    monkeypatch.setattr(Widget, "send_state", counting)
+    return sent
+
+
+def monitor_threads():
+    return [t for t in threading.enumerate() if t.name == monitor.THREAD_NAME and t.is_alive()]
+
+
+def open_gauges():
+    return [w for w in list(_instances.values()) if isinstance(w, MemoryGauge)]
+
+
+def wait_for(condition, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+# --------------------------------------------------------------------------- the gauge
+
+def test_bar_style_by_fullness():
+    assert [bar_style_for(f) for f in (0.0, 0.69, 0.70, 0.89, 0.90, 1.0, None)] == [
+        "success", "success", "warning", "warning", "danger", "danger", ""]
+
+
+def test_gauge_shows_values_and_sends_only_changes(messages):
+    g = MemoryGauge("cuda:0", "NVIDIA H200")
+    try:
+        assert g.show(40 * GiB, 100 * GiB, "kernel 2.0 GiB") is True
+        assert g.bar.value == 0.4 and g.bar.bar_style == "success"
+        assert g.text.value == "40.0 GiB / 100.0 GiB (40%) · kernel 2.0 GiB"
+        bar_msgs, text_msgs = messages[g.bar.model_id], messages[g.text.model_id]
+        assert bar_msgs == 1  # value and colour in one message
+        # Same figures, or a change too small to display: nothing is sent.
+        assert g.show(40 * GiB, 100 * GiB, "kernel 2.0 GiB") is False
+        assert g.show(40 * GiB + 1000, 100 * GiB, "kernel 2.0 GiB") is False
+        assert messages[g.bar.model_id] == bar_msgs and messages[g.text.model_id] == text_msgs
+        assert g.show(95 * GiB, 100 * GiB) is True
+        assert g.bar.bar_style == "danger" and g.bar.value == 0.95
+        assert messages[g.bar.model_id] == bar_msgs + 1 and messages[g.text.model_id] == text_msgs + 1
+        assert g.sends == 2
+        assert g.text_line(10) == "cuda:0 [##########] 95.0 GiB / 100.0 GiB (95%)"
+        assert g.show(None, None) is True and g.text.value == "n/a" and g.bar.bar_style == ""
+    finally:
+        g.close()
+    assert g not in open_gauges() and g.bar.comm is None and g.text.comm is None
+
+
+def test_gauge_text_fallback_in_terminal(shell):
+    g = MemoryGauge("cpu", "CPU")
+    try:
+        g.show(3 * GiB, 12 * GiB)
+        shell.user_ns["g"] = g
+        result, out, cap = run_cell(shell, "g")
+        assert "cpu [#####...............] 3.0 GiB / 12.0 GiB (25%)" in out
+    finally:
+        g.close()
+
+
+# --------------------------------------------------------------------------- the monitor
+
+def test_one_thread_feeds_a_gauge_per_device(notebook, machine, messages):
+    with capture_output(display=True) as cap:
+        notebook.run_line_magic("gpumem", "--watch --interval 0.05")
+    mon = monitor.current()
+    assert list(mon.gauges) == ["cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert len(cap.outputs) == 1 and "application/vnd.jupyter.widget-view+json" in cap.outputs[0].data
+    assert cap.outputs[0].data["application/vnd.jupyter.widget-view+json"]["model_id"] == mon.box.model_id
+    assert len(monitor_threads()) == 1
+    g0 = mon.gauges["cuda:0"]
+    assert (g0.used, g0.total) == (GiB, 141 * GiB)
+    assert "kernel 2.0 GiB" in g0.caption
+    # The gauge follows NVML.
+    machine.gpus[0]["used"] = 100 * GiB
+    assert wait_for(lambda: g0.used == 100 * GiB)
+    assert g0.bar.bar_style == "warning" and g0.bar.value == round(100 / 141, 3)
+    # Unchanged figures send nothing however many times they are read.
+    sends, ticks = mon.gauges["cuda:2"].sends, mon.ticks
+    assert wait_for(lambda: mon.ticks >= ticks + 5)
+    assert mon.gauges["cuda:2"].sends == sends == 1
+    assert messages.get(mon.gauges["cuda:2"].bar.model_id) == 1
+
+
+def test_default_rate_is_at_most_four_updates_a_second(notebook, machine):
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "cuda:1 --watch")
+    mon = monitor.current()
+    assert mon.interval == 0.25 and list(mon.gauges) == ["cuda:1"]
+    g = mon.gauges["cuda:1"]
+    stop = threading.Event()
+
+    def churn():  # memory changing far faster than anyone could read
+        n = 0
+        while not stop.is_set():
+            n += 1
+            machine.gpus[1]["used"] = (n % 50 + 1) * GiB
+            time.sleep(0.001)
+    t0 = time.monotonic()
+    sends0 = g.sends
+    churner = threading.Thread(target=churn)
+    churner.start()
+    time.sleep(1.2)
+    stop.set()
+    churner.join()
+    elapsed = time.monotonic() - t0
+    sent = g.sends - sends0
+    assert sent <= elapsed / 0.25 + 1
+    assert sent >= 2  # and it did keep up
+
+
+def test_rewatch_replaces_thread_and_gauges_stop_closes_them(notebook, machine):
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "--watch --interval 0.05")
+    first = monitor.current()
+    first_widgets = [first.box, *first.gauges.values(), *[c for g in first.gauges.values() for c in g.children]]
+    first_ids = [w.model_id for w in first_widgets]
+    first_thread = first.thread
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "--watch --interval 0.1")
+    second = monitor.current()
+    assert second is not first and not first_thread.is_alive()
+    assert monitor_threads() == [second.thread]
+    assert all(w.comm is None for w in first_widgets)
+    assert not set(first_ids) & set(_instances)
+    assert open_gauges() == list(second.gauges.values())
+
+    with capture_output() as cap:
+        notebook.run_line_magic("gpumem", "--stop")
+    assert "Stopped the memory gauges." in cap.stdout
+    assert monitor_threads() == [] and monitor.current() is None
+    assert open_gauges() == [] and second.box.comm is None
+    with capture_output() as cap:
+        notebook.run_line_magic("gpumem", "--stop")  # stopping twice is harmless
+    assert "No memory gauges were running." in cap.stdout
+
+
+def test_unload_ext_stops_the_thread_and_closes_gauges(notebook, machine):
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "--watch --interval 0.05")
+    mon = monitor.current()
+    assert len(monitor_threads()) == 1
+    notebook.run_line_magic("unload_ext", "gpumagic")
+    try:
+        assert monitor_threads() == [] and monitor.current() is None
+        assert open_gauges() == [] and mon.box.comm is None
+        assert "gpumem" not in notebook.magics_manager.magics["line"]
+    finally:
+        notebook.run_line_magic("load_ext", "gpumagic")
+    assert "gpumem" in notebook.magics_manager.magics["line"]
+
+
+def test_lifecycle_calls_are_idempotent(machine):
+    mon = monitor.start(["cpu"], interval=0.05)
+    thread = mon.thread
+    assert mon.start() is mon and mon.thread is thread  # already running
+    mon.restart(interval=0.02)
+    assert mon.interval == 0.02 and not thread.is_alive() and mon.running
+    assert monitor_threads() == [mon.thread]
+    assert monitor.stop() is True and monitor.stop() is False
+    mon.stop()  # a stopped monitor may be stopped again
+    assert not mon.running and mon.closed and monitor_threads() == []
+    assert monitor.restart() is None
+    with pytest.raises(ValueError):
+        monitor.Monitor(["cpu"], interval=0)
+
+
+def test_a_failing_reading_does_not_kill_the_thread(machine, monkeypatch):
+    mon = monitor.start(["cpu"], interval=0.02)
+    from gpumagic import memory
+    real = memory.device_memory
+    monkeypatch.setattr(memory, "device_memory", lambda *a, **k: 1 / 0)
+    assert wait_for(lambda: mon.errors)
+    assert mon.running and mon.gauges["cpu"].used is None and "reading failed" in mon.gauges["cpu"].caption
+    monkeypatch.setattr(memory, "device_memory", real)
+    assert wait_for(lambda: mon.gauges["cpu"].used is not None)
+    monitor.stop()
+
+
+def test_monitoring_never_initialises_cuda(notebook, machine, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda *a, **k: calls.append(a))
+    notebook.user_ns["x"] = torch.ones(10)
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "")
+        notebook.run_line_magic("gpumem", "--vars")
+        notebook.run_line_magic("gpumem", "--watch --interval 0.02")
+    mon = monitor.current()
+    assert wait_for(lambda: mon.ticks >= 5)
+    monitor.stop()
+    assert calls == [] and not torch.cuda.is_initialized()
+    assert not devices.torch_cuda_initialized()
+
+
+def test_terminal_watch_prints_text_and_starts_nothing(shell, machine):
+    result, out, cap = run_cell(shell, "%gpumem --watch")
+    assert result.success
+    assert "Live gauges need a notebook" in out and "cuda:3" in out and "141.0 GiB" in out
+    assert cap.outputs == [] and "Box(" not in out and "widget" not in out.lower().replace("widgets)", "")
+    assert monitor_threads() == [] and monitor.current() is None and open_gauges() == []
+
+
+def test_notebook_tables_are_html(notebook, machine):
+    notebook.user_ns["x"] = torch.ones(256)
+    for line in ("", "--vars", "--free"):
+        with capture_output(display=True) as cap:
+            notebook.run_line_magic("gpumem", line)
+        assert len(cap.outputs) == 1 and "<table>" in cap.outputs[0].data["text/html"]
+    assert monitor_threads() == []
+    assert session._closers.get("gpumem-monitor") is None
