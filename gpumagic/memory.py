@@ -252,6 +252,10 @@ def _gpu_memory(gpu, processes: bool = True) -> DeviceMemory:
             row.note = f"{gpu.device}: memory not reported by NVML"
         if processes:
             row.process, row.process_note = gpu_process_memory(gpu.handle)
+            if row.process == 0 and devices.torch_cuda_initialized() and _has_context(gpu.index):
+                # We hold a context there, yet NVML lists no process of our pid:
+                # its pids come from another pid namespace.
+                row.process, row.process_note = None, "pid namespace"
         else:
             row.process_note = "not read"
     elif _has_context(gpu.index):
