@@ -589,13 +589,14 @@ class FreeReport:
         return self.text()
 
 
-def free_memory(device: str | None = None) -> FreeReport:
+def free_memory(device: str | None = None, history: dict | None = None) -> FreeReport:
     """Collect garbage and release torch's cached blocks; report what was freed.
 
     GPUs report torch's reserved bytes before and after (only devices this
     kernel initialised; the others hold nothing of ours); the CPU reports the
     kernel's resident memory. ``device`` limits the report, not the freeing
-    (``gc`` and ``empty_cache`` act on everything).
+    (``gc`` and ``empty_cache`` act on everything). ``history`` (IPython's
+    ``Out``) is checked for tensors it keeps alive, which nothing can free.
 
     In a notebook::
 
@@ -630,6 +631,12 @@ def free_memory(device: str | None = None) -> FreeReport:
     if device is not None:
         rows = [r for r in rows if r.device == device]
     notes = []
+    if history:
+        kept = variable_memory({"Out": history}, device=device).totals
+        if kept:
+            held = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+            notes.append(f"the output history (Out[...]) still holds tensors: {held}; "
+                         "`%reset -f out` lets them go.")
     if not cuda and (device is None or device.startswith("cuda")):
         notes.append("this kernel has not initialised CUDA, so it holds no cached GPU blocks.")
     return FreeReport(rows, collected, notes)

@@ -233,7 +233,11 @@ def test_gpumem_vars_and_free_through_the_shell(shell, no_cuda_init):
     assert rows["weights"][2:5] == ["cpu", "1.0", "MiB"]
     assert "_i" not in out and "Out" not in out
     result, out, _ = run_cell(shell, "%gpumem --free")
-    assert result.success and "kernel resident" in out
+    assert result.success and "kernel resident" in out and "output history" not in out
+    run_cell(shell, "weights[:256]")  # the value lands in Out[...]
+    run_cell(shell, "del weights, view")
+    result, out, _ = run_cell(shell, "%gpumem --free")
+    assert "output history (Out[...]) still holds tensors: 1.0 MiB on cpu" in out
 
 
 def test_bad_input_names_the_choices(shell, machine):

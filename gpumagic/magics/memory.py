@@ -124,7 +124,7 @@ class MemoryMagics(Magics):
             _show(self.shell, report)
             return None
         if args.free:
-            _show(self.shell, memory.free_memory(device))
+            _show(self.shell, memory.free_memory(device, history=self.shell.user_ns.get("Out")))
             return None
         _show(self.shell, memory.snapshot(device, gpus))
         return None
