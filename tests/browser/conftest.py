@@ -40,6 +40,7 @@ def lab(tmp_path_factory):
 
 @pytest.fixture
 def page(lab, request):
+    shutil.rmtree(SHOTS, ignore_errors=True)  # only this run's pictures
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser = Browser(lab.home)
     try:
