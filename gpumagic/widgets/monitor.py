@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import threading
 
+from ipywidgets import VBox
+
 from .. import memory, session
 from ..display import fmt_bytes
 from .gauge import MemoryGauge
@@ -30,17 +32,22 @@ _current: Monitor | None = None
 
 
 def _detail(mem: memory.DeviceMemory) -> str:
-    """The words after used/total on a gauge."""
+    """The words after used/total on a gauge: this kernel's share, then torch's figures."""
     bits = []
-    if mem.device == "cpu":
-        if mem.process is not None:
-            bits.append(f"kernel {fmt_bytes(mem.process)}")
-    else:
-        if mem.process is not None:
-            bits.append(f"kernel {fmt_bytes(mem.process)}")
-        if mem.allocated is not None:
-            bits.append(f"torch {fmt_bytes(mem.allocated)} alloc / {fmt_bytes(mem.reserved)} reserved")
+    if mem.process is not None:
+        bits.append(f"kernel {fmt_bytes(mem.process)}")
+    elif mem.process_note and mem.process_note != "not read":
+        bits.append(f"kernel n/a ({mem.process_note})")
+    if mem.allocated is not None:
+        bits.append(f"torch {fmt_bytes(mem.allocated)} alloc / {fmt_bytes(mem.reserved)} reserved")
     return " · ".join(bits)
+
+
+class GaugeBox(VBox):
+    """The displayed column of gauges; its text form is one text gauge per line."""
+
+    def __repr__(self):
+        return "\n".join(repr(child) for child in self.children)
 
 
 class Monitor:
@@ -53,7 +60,6 @@ class Monitor:
     """
 
     def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True):
-        from ipywidgets import VBox
         if not interval > 0:
             raise ValueError(f"interval must be positive, not {interval!r}")
         self.targets = list(targets)
@@ -64,7 +70,7 @@ class Monitor:
             name = "CPU (machine)" if target == "cpu" else "Apple MPS" if target == "mps" else target.name
             device = target if isinstance(target, str) else target.device
             self.gauges[device] = MemoryGauge(device, name)
-        self.box = VBox(list(self.gauges.values()))
+        self.box = GaugeBox(list(self.gauges.values()))
         self.ticks = 0
         self.errors: list[str] = []
         self.closed = False
