@@ -46,6 +46,19 @@ def register_source(filename: str, source: str) -> None:
     linecache.cache[filename] = (len(source), None, lines, filename)
 
 
+def _cell_number(shell) -> int:
+    """The number IPython shows as ``In[n]`` for the cell running now.
+
+    IPython 9 counts the running cell before executing it (the display hook's
+    ``prompt_count`` is ``execution_count - 1`` then); IPython 8 counts after.
+    The display hook knows which, in both.
+    """
+    try:
+        return int(shell.displayhook.prompt_count)
+    except Exception:
+        return getattr(shell, "execution_count", 0)
+
+
 def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.NodeTransformer] = ()) -> CompiledCell:
     """Compile ``cell`` (a cell magic's body) for ``run_compiled``.
 
@@ -62,7 +75,7 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
     """
     offset = header.count("\n") + 1 if header else 0
     full_source = (header.rstrip("\n") + "\n" + cell) if header else cell
-    number = getattr(shell, "execution_count", 0)
+    number = _cell_number(shell)
     filename = shell.compile.cache(full_source, number=number, raw_code=full_source)
 
     transformed = shell.transform_cell(cell)
