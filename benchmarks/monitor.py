@@ -98,7 +98,7 @@ def nvml_view(gpus) -> dict:
     return view
 
 
-def monitoring_footprint(gpus, seconds: float) -> tuple[list[list[str]], dict]:
+def monitoring_footprint(gpus, seconds: float) -> list[list[str]]:
     """Monitor every device for ``seconds`` at the default rate; what did it create?"""
     import psutil
     import torch  # imported as in a notebook; the monitor must not initialise it
@@ -120,16 +120,14 @@ def monitoring_footprint(gpus, seconds: float) -> tuple[list[list[str]], dict]:
         ["kernel CPU while monitoring", "all", f"{100 * busy:.2f} % of one core"],
         ["torch.cuda.is_initialized() after", "all", str(torch.cuda.is_initialized())],
     ]
-    facts = {"initialised": torch.cuda.is_initialized(), "created": {}}
     pid = os.getpid()
     for g in gpus:
         created = after[g.device]["used"] - before[g.device]["used"]
         new_pids = after[g.device]["pids"] - before[g.device]["pids"]
-        facts["created"][g.device] = created
         rows.append(["GPU memory created by monitoring (NVML used after - before)", g.device, fmt_bytes(created)])
         rows.append(["processes NVML lists that monitoring added", g.device,
                      f"{len(new_pids)} (this pid listed: {'yes' if pid in after[g.device]['pids'] else 'no'})"])
-    return rows, facts
+    return rows
 
 
 TORCH_QUERY = """
@@ -185,8 +183,7 @@ def main(argv=None) -> None:
     gpus = devices.visible_gpus()
     header = ["measurement", "device", "value"]
     rows = update_costs(["cpu", *gpus], args.repeat)
-    footprint, facts = monitoring_footprint(gpus, args.seconds)
-    rows += footprint
+    rows += monitoring_footprint(gpus, args.seconds)
     for g in gpus:
         try:
             q = torch_query_footprint(g.index)

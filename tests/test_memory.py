@@ -11,7 +11,7 @@ from IPython.utils.capture import capture_output
 
 from gpumagic import memory, nvml
 from tests.conftest import run_cell
-from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu
+from tests.fake_nvml import FakeNvml, four_gpu_machine
 
 GiB = 2**30
 MiB = 2**20
