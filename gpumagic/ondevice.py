@@ -1,0 +1,330 @@
+"""Run a cell on a chosen device: the plain function behind ``%%ondevice``.
+
+:func:`run_on_device` compiles the cell the way IPython does (so the value of
+its last expression comes back, other AST transformers apply, and tracebacks
+show ``Cell In[n], line k`` with the user's source), rewrites CUDA-specific
+placement to follow the device (:mod:`gpumagic.rewrite.placement`), runs it
+with the device current, and puts everything back afterwards: torch's
+default device, the current CUDA device and the current stream are what they
+were before, whether the cell succeeded or raised.
+
+Examples
+--------
+::
+
+    from gpumagic.ondevice import OnDeviceOptions, run_on_device
+    result = run_on_device(get_ipython(), "x = torch.zeros(2).cuda()\\nx",
+                           OnDeviceOptions(device="cpu"))
+    result.value.device          # device(type='cpu')
+"""
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import devices
+from .cells import compile_cell, is_empty, run_compiled
+from .display import fmt_bytes
+from .errors import usage_error
+
+__all__ = ["OnDeviceOptions", "OnDeviceResult", "Moved", "run_on_device", "resolve_device",
+           "plan_moves", "apply_moves"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MISSING = object()
+
+
+@dataclass
+class OnDeviceOptions:
+    """What ``%%ondevice [DEVICE] [--stream] [--sync] [--time] [--move ...] [--no-rewrite]`` asks for."""
+    device: str | None = None          # None: the session's current device
+    stream: bool = False
+    sync: bool = False
+    time: bool = False
+    move: tuple[str, ...] = ()
+    rewrite: bool = True
+    header: str = "%%ondevice"         # the magic's line, kept so line numbers match the notebook
+
+
+@dataclass
+class Moved:
+    """One ``--move`` variable: what it was and how many bytes changed device."""
+    name: str
+    kind: str            # "tensor" or the module's class name
+    nbytes: int          # bytes that were elsewhere and now are on the device
+    already: bool        # everything was on the device already
+
+
+@dataclass
+class OnDeviceResult:
+    """What a cell run produced."""
+    device: str | None                 # canonical device; None for an empty cell
+    value: object = None               # the value of the cell's last expression
+    ran: bool = False
+    moved: list[Moved] = field(default_factory=list)
+    timing: object = None              # gpumagic.timing.Timing with --time
+    rewrites: int = 0                  # places the placement rewrite changed
+    recorded: int = 0                  # tensors record_stream-ed with --stream
+
+    def move_note(self) -> str | None:
+        return move_note(self.moved, self.device)
+
+
+# -- the device ----------------------------------------------------------------
+
+_gpu_cache: tuple | None = None
+
+
+def _gpus():
+    """Visible GPUs, cached while the environment that decides them is unchanged.
+
+    NVML is asked once per (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, CUDA
+    initialised) so that a cell pays microseconds, not an NVML round, per run.
+    """
+    global _gpu_cache
+    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"),
+           devices.torch_cuda_initialized())
+    if _gpu_cache is None or _gpu_cache[0] != key:
+        _gpu_cache = (key, devices.visible_gpus())
+    return _gpu_cache[1]
+
+
+def resolve_device(spec) -> str:
+    """``spec`` as a canonical device name; ``None`` is the session's current device.
+
+    Raises ``UsageError`` naming the devices that exist.
+    """
+    gpus = _gpus()
+    if spec is None or str(spec).strip() == "":
+        return devices.default_device(gpus)
+    return devices.parse_device(spec, gpus)
+
+
+# -- --move ----------------------------------------------------------------------
+
+def _movable(namespace: dict) -> list[str]:
+    import torch
+    return sorted(n for n, v in namespace.items()
+                  if not n.startswith("_") and isinstance(v, (torch.Tensor, torch.nn.Module)))
+
+
+def plan_moves(namespace: dict, names) -> list[str]:
+    """Check ``--move`` names before anything changes; ``UsageError`` names the movable variables."""
+    import torch
+    planned: list[str] = []
+    for name in names:
+        if name in planned:
+            continue
+        if name not in namespace:
+            raise usage_error(f"--move {name!r}: no such variable in the notebook", _movable(namespace))
+        value = namespace[name]
+        if not isinstance(value, (torch.Tensor, torch.nn.Module)):
+            raise usage_error(f"--move {name!r} is a {type(value).__name__}, not a tensor or torch.nn.Module",
+                              _movable(namespace))
+        planned.append(name)
+    return planned
+
+
+def apply_moves(namespace: dict, names: list[str], device: str) -> list[Moved]:
+    """Move modules in place and rebind tensors (parameters stay parameters)."""
+    import torch
+    target = torch.device(device)
+    moved = []
+    for name in names:
+        value = namespace[name]
+        if isinstance(value, torch.nn.Module):
+            tensors = list(value.parameters()) + list(value.buffers())
+            nbytes = sum(t.nelement() * t.element_size() for t in tensors if t.device != target)
+            value.to(target)
+            moved.append(Moved(name, type(value).__name__, nbytes, nbytes == 0 and
+                               all(t.device == target for t in tensors)))
+        else:
+            elsewhere = value.device != target
+            nbytes = value.nelement() * value.element_size() if elsewhere else 0
+            if elsewhere:
+                new = value.detach().to(target) if isinstance(value, torch.nn.Parameter) else value.to(target)
+                if isinstance(value, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=value.requires_grad)
+                namespace[name] = new
+            moved.append(Moved(name, "tensor", nbytes, not elsewhere))
+    return moved
+
+
+def move_note(moved: list[Moved], device) -> str | None:
+    """``moved to cuda:1: model (Sequential, 1.6 KiB), x (tensor, 8 B); 1.6 KiB in all``."""
+    if not moved:
+        return None
+    went = [m for m in moved if not m.already]
+    stayed = [m.name for m in moved if m.already]
+    parts = []
+    if went:
+        listed = ", ".join(f"{m.name} ({m.kind}, {fmt_bytes(m.nbytes)})" for m in went)
+        parts.append(f"moved to {device}: {listed}; {fmt_bytes(sum(m.nbytes for m in went))} in all")
+    if stayed:
+        parts.append(f"already on {device}: {', '.join(stayed)}")
+    return "; ".join(parts)
+
+
+# -- device state ------------------------------------------------------------------
+
+def _explicit_default_device(torch):
+    """The device set with ``torch.set_default_device`` (None when unset)."""
+    try:
+        from torch.utils import _device
+        return getattr(_device, "CURRENT_DEVICE", None)
+    except Exception:  # pragma: no cover - torch without the default-device machinery
+        return None
+
+
+class _DeviceState:
+    """Torch's default device, the current CUDA device and current streams, to put back later.
+
+    Never initialises CUDA for a cell that does not run on a GPU.
+    """
+
+    __slots__ = ("torch", "default", "cuda_device", "streams")
+
+    def __init__(self, torch, target):
+        self.torch = torch
+        self.default = _explicit_default_device(torch)
+        self.cuda_device = None
+        self.streams = {}
+        if target.type == "cuda" or devices.torch_cuda_initialized():
+            cuda = torch.cuda
+            self.cuda_device = cuda.current_device()
+            self.streams[self.cuda_device] = cuda.current_stream(self.cuda_device)
+            if target.type == "cuda" and target.index not in self.streams:
+                self.streams[target.index] = cuda.current_stream(target.index)
+
+    def restore(self) -> None:
+        torch = self.torch
+        if _explicit_default_device(torch) != self.default:
+            torch.set_default_device(self.default)
+        if not devices.torch_cuda_initialized():
+            return
+        cuda = torch.cuda
+        if self.cuda_device is None:
+            # CUDA started during the cell: "before" was device 0 and its default stream.
+            index = cuda.current_device()
+            if cuda.current_stream(index) != cuda.default_stream(index):
+                cuda.set_stream(cuda.default_stream(index))
+            if index != 0:
+                cuda.set_device(0)
+            return
+        for index, stream in self.streams.items():
+            if cuda.current_stream(index) != stream:
+                cuda.set_stream(stream)
+        if cuda.current_device() != self.cuda_device:
+            cuda.set_device(self.cuda_device)
+
+
+def _user_traceback(tb):
+    """``tb`` without gpumagic's frames, so the user sees their own lines only."""
+    kept = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            kept.append(tb)
+        tb = tb.tb_next
+    new = None
+    for entry in reversed(kept):
+        new = types.TracebackType(new, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return new
+
+
+# -- the run -------------------------------------------------------------------------
+
+def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
+                  note: Callable[[str], None] | None = None) -> OnDeviceResult:
+    """Run ``cell`` in ``shell.user_ns`` on ``options.device``; returns an :class:`OnDeviceResult`.
+
+    Bad input (device, ``--move`` names) raises ``UsageError`` before anything
+    changes; a syntax error points at the user's line; the cell's own
+    exceptions (``KeyboardInterrupt`` included) propagate unchanged, with
+    gpumagic's frames left out of their traceback. ``note`` receives short
+    messages for the user (what ``--move`` moved).
+    """
+    __tracebackhide__ = True  # noqa: F841
+    options = options or OnDeviceOptions()
+    if is_empty(cell):
+        return OnDeviceResult(device=None)
+    device = resolve_device(options.device)
+    namespace = shell.user_ns
+    to_move = plan_moves(namespace, options.move) if options.move else []
+
+    from .rewrite.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
+    rewriter = PlacementRewriter(namespace) if options.rewrite else None
+    try:
+        compiled = compile_cell(shell, cell, header=options.header,
+                                transformers=[rewriter] if rewriter is not None else [])
+    except SyntaxError as exc:
+        # The error carries the user's file and line; the compiler's frames say nothing more.
+        raise exc.with_traceback(None)
+
+    import torch
+    target = torch.device(device)
+    on_gpu = target.type == "cuda"
+    result = OnDeviceResult(device=device, rewrites=rewriter.rewrites if rewriter else 0)
+    if to_move:
+        result.moved = apply_moves(namespace, to_move, device)
+        if note is not None:
+            note(move_note(result.moved, device))
+
+    state = _DeviceState(torch, target)
+    previous_helper = namespace.get(HELPER, _MISSING)
+    hooks = None
+    try:
+        if on_gpu:
+            torch.cuda.set_device(target)
+        if rewriter is not None:
+            namespace[HELPER] = Placement(target)
+            if rewriter.nested:
+                install_passthrough(HELPER)
+            if target.type != "cpu":
+                hooks = modules_on(target)
+                hooks.__enter__()
+        elif target.type != "cpu" or state.default is not None:
+            torch.set_default_device(target)
+
+        timer = None
+        if options.time:
+            from .timing import CellTimer
+            timer = CellTimer(target)
+            timer.start()
+        stream_ctx = None
+        if options.stream and on_gpu:
+            from .namespace import names_read
+            from .streams import side_stream
+            used = [namespace[n] for n in names_read(compiled.tree) if n in namespace]
+            stream_ctx = side_stream(target, namespace, also=used)
+            stream_info = stream_ctx.__enter__()
+        try:
+            try:
+                result.value = run_compiled(compiled, namespace)
+            except BaseException as exc:
+                raise exc.with_traceback(_user_traceback(exc.__traceback__))
+            if stream_ctx is not None:
+                stream_info.extra.append(result.value)
+        finally:
+            if stream_ctx is not None:
+                stream_ctx.__exit__(None, None, None)
+                result.recorded = stream_info.recorded
+        result.ran = True
+        if timer is not None:
+            result.timing = timer.stop()
+        if options.sync:
+            if on_gpu:
+                torch.cuda.synchronize(target)
+            elif target.type == "mps":
+                torch.mps.synchronize()
+    finally:
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        if rewriter is not None:
+            if previous_helper is _MISSING:
+                namespace.pop(HELPER, None)
+            else:
+                namespace[HELPER] = previous_helper
+        state.restore()
+    return result
