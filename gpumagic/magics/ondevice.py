@@ -17,6 +17,14 @@ def _names(values) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _ends_with_semicolon(cell: str) -> bool:
+    from IPython.core.displayhook import DisplayHook
+    try:
+        return DisplayHook.semicolon_at_end_of_expression(cell)
+    except Exception:  # tokenize errors: the cell already ran, so just show the value
+        return False
+
+
 @magics_class
 class OnDeviceMagics(Magics):
     """The ``%%ondevice`` cell magic."""
@@ -69,4 +77,6 @@ class OnDeviceMagics(Magics):
             raise exc.with_traceback(None)  # IPython lists a SyntaxError's frames; ours say nothing
         if result.timing is not None:
             print(result.timing)
+        if _ends_with_semicolon(cell):
+            return None  # IPython checks the wrapper line, which never ends in ';'
         return result.value

@@ -1,0 +1,287 @@
+"""%%ondevice through a real InteractiveShell, on cpu and meta."""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+import torch
+
+from conftest import run_cell
+from gpumagic import session
+from gpumagic.errors import UsageError
+from gpumagic.ondevice import OnDeviceOptions, run_on_device
+from gpumagic.rewrite.placement import HELPER
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+SEED = """\
+import torch
+import torch.nn as nn
+sq = nn.Sequential(nn.Linear(20, 20), nn.ReLU(), nn.Linear(20, 4), nn.Softmax(dim=1))
+cuda1 = torch.device('cuda:1')
+"""
+
+
+def text(output: str) -> str:
+    return ANSI.sub("", output)
+
+
+def ok(shell, src):
+    result, out, _ = run_cell(shell, src)
+    assert result.error_before_exec is None and result.error_in_exec is None, text(out)
+    return result, text(out)
+
+
+def fails(shell, src):
+    result, out, _ = run_cell(shell, src)
+    err = result.error_in_exec or result.error_before_exec
+    assert err is not None, text(out)
+    return err, text(out), result
+
+
+# -- the seed article's cells -------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_seed_examples_run(shell, device):
+    ok(shell, SEED)
+    result, out = ok(shell, f"""%%ondevice {device}
+a = torch.FloatTensor([1., 2.]).cuda()
+b = torch.cuda.FloatTensor([1., 2.])
+d = torch.DoubleTensor([1., 2.]).cuda()
+model = sq.cuda()
+x = torch.Tensor([1., 2.]).to(cuda1)
+y = torch.Tensor([3., 4.]).cuda(cuda1)
+z = x + y
+cuda = torch.device('cuda')
+w = torch.Tensor([1., 2.], device=cuda1)
+print(torch.cuda.current_device(), next(model.parameters()).is_cuda)
+z
+""")
+    ns = shell.user_ns
+    for name in ("a", "b", "d", "x", "y", "z", "w"):
+        assert ns[name].device == torch.device(device), name
+    assert ns["a"].dtype == torch.float32 and ns["d"].dtype == torch.float64
+    assert ns["model"] is ns["sq"] and all(p.device.type == device for p in ns["sq"].parameters())
+    assert ns["cuda"] == torch.device(device)
+    assert "0 True" in out
+    assert result.result is ns["z"]
+    if device == "cpu":
+        assert ns["z"].tolist() == [4.0, 6.0] and ns["b"].tolist() == [1.0, 2.0]
+        assert ns["model"](torch.ones(3, 20)).shape == (3, 4)
+    assert not torch.cuda.is_initialized()
+
+
+def test_factories_and_modules_on_meta(shell):
+    ok(shell, "import torch\nimport torch.nn as nn\n"
+              "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.fc = nn.Linear(8, 2)\n        self.register_buffer('seen', torch.zeros(1))\n")
+    ok(shell, "%%ondevice meta\nt = torch.zeros(4)\nr = torch.randn(2, 2)\nlin = nn.Linear(3, 3)\nnet = Net()\n")
+    ns = shell.user_ns
+    assert ns["t"].is_meta and ns["r"].is_meta and ns["lin"].weight.is_meta
+    # Net was defined in a plain cell, so the rewrite never saw its nn.Linear: the hooks place it.
+    assert ns["net"].fc.weight.is_meta and ns["net"].seen.is_meta
+    ok(shell, "after = Net()\nplain = torch.zeros(1)")
+    assert ns["after"].fc.weight.device.type == "cpu" and ns["plain"].device.type == "cpu"
+
+
+def test_no_rewrite_keeps_only_the_device_context(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice meta --no-rewrite\nt = torch.zeros(2)\nd = torch.device('cuda')\n")
+    assert shell.user_ns["t"].is_meta                       # default device
+    assert shell.user_ns["d"] == torch.device("cuda")       # not rewritten
+    assert torch.get_default_device() == torch.device("cpu")
+    err, out, _ = fails(shell, "%%ondevice cpu --no-rewrite\nx = torch.zeros(2).cuda()\n")
+    assert isinstance(err, (AssertionError, RuntimeError))  # .cuda() as written needs CUDA
+
+
+# -- behaving like a normal cell ------------------------------------------------------
+
+def test_last_expression_is_displayed(shell):
+    result, out = ok(shell, "%%ondevice cpu\nx = 20\nx + 22\n")
+    assert result.result == 42
+    assert re.search(r"Out\[\d+\]: 42", out)
+    result, out = ok(shell, "%%ondevice cpu\nx = 20\nx + 22;\n")
+    assert "42" not in out
+
+
+def test_traceback_points_at_user_line(shell):
+    ok(shell, "import torch")
+    err, out, result = fails(shell, "%%ondevice cpu\nx = torch.zeros(2).cuda()\n\nraise ValueError('boom')\n")
+    assert type(err) is ValueError and str(err) == "boom"
+    n = result.execution_count
+    assert f"Cell In[{n}], line 4" in out and "raise ValueError('boom')" in out
+    assert "gpumagic" not in out and HELPER not in out
+    assert shell.user_ns["x"].device.type == "cpu"   # what ran before the error stays
+
+
+def test_error_inside_rewritten_call_shows_no_gpumagic_frame(shell):
+    ok(shell, "import torch")
+    err, out, result = fails(shell, "%%ondevice cpu\nx = None\n\ny = x.cuda()\n")
+    assert type(err) is AttributeError and "'NoneType' object has no attribute 'cuda'" in str(err)
+    assert f"Cell In[{result.execution_count}], line 4" in out
+    assert "gpumagic" not in out
+    err, out, result = fails(shell, "%%ondevice meta\nx = torch.zeros(2)\ny = x.to('cuda', 'not a dtype')\n")
+    assert type(err) is TypeError
+    assert f"Cell In[{result.execution_count}], line 3" in out and "gpumagic" not in out
+
+
+def test_syntax_error_points_at_user_line(shell):
+    err, out, result = fails(shell, "%%ondevice cpu\nx = 1\n\ny = (x +\n")
+    assert isinstance(err, SyntaxError)
+    assert err.lineno == 4
+    assert f"Cell In[{result.execution_count}], line 4" in out and "y = (x +" in out
+
+
+def test_getsource_of_function_defined_in_cell(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice cpu\ndef helper(x):\n    '''Double it.'''\n    return x.cuda() * 2\n")
+    ok(shell, "import inspect\nsrc = inspect.getsource(helper)")
+    assert shell.user_ns["src"] == "def helper(x):\n    '''Double it.'''\n    return x.cuda() * 2\n"
+
+
+def test_functions_from_cell_pass_through_later(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice meta\ndef make():\n    return torch.zeros(2)\ninside = make()\n")
+    assert shell.user_ns["inside"].is_meta
+    assert HELPER not in shell.user_ns
+    ok(shell, "outside = make()")
+    assert shell.user_ns["outside"].device.type == "cpu"
+    ok(shell, "%%ondevice meta\nagain = make()\n")
+    assert shell.user_ns["again"].is_meta
+
+
+def test_other_ast_transformers_apply(shell):
+    class FortyTwo(ast.NodeTransformer):
+        def visit_Name(self, node):
+            if node.id == "ANSWER":
+                return ast.copy_location(ast.Constant(42), node)
+            return node
+
+    transformer = FortyTwo()
+    shell.ast_transformers.append(transformer)
+    try:
+        result, _ = ok(shell, "%%ondevice cpu\nANSWER + 0\n")
+    finally:
+        shell.ast_transformers.remove(transformer)
+    assert result.result == 42
+
+
+def test_magics_inside_the_cell(shell):
+    result, out = ok(shell, "%%ondevice cpu\n%time y = 5\ny * 2\n")
+    assert result.result == 10 and "Wall time" in out
+
+
+def test_keyboard_interrupt_propagates_and_state_is_restored(shell):
+    ok(shell, "import torch")
+    err, out, _ = fails(shell, "%%ondevice meta\ntorch.set_default_device('meta')\nraise KeyboardInterrupt\n")
+    assert type(err) is KeyboardInterrupt
+    assert torch.get_default_device() == torch.device("cpu")
+    assert HELPER not in shell.user_ns
+
+
+def test_default_device_restored_after_success_and_failure(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice cpu\ntorch.set_default_device('cuda')\ninside = torch.get_default_device()\n")
+    assert shell.user_ns["inside"] == torch.device("cpu")   # 'cuda' followed the cell's device
+    assert torch.get_default_device() == torch.device("cpu")
+    fails(shell, "%%ondevice meta --no-rewrite\nx = torch.zeros(1)\n1 / 0\n")
+    assert shell.user_ns["x"].is_meta
+    assert torch.get_default_device() == torch.device("cpu")
+    torch.set_default_device("meta")
+    try:
+        ok(shell, "%%ondevice cpu --no-rewrite\ny = torch.zeros(1)\n")
+        assert shell.user_ns["y"].device.type == "cpu"
+        assert torch.get_default_device() == torch.device("meta")
+    finally:
+        torch.set_default_device(None)
+
+
+def test_helper_name_is_restored_when_nested(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice meta\nget_ipython().run_cell_magic('ondevice', 'cpu', 'inner = torch.zeros(1)')\n"
+              "outer = torch.zeros(1)\n")
+    assert shell.user_ns["inner"].device.type == "cpu" and shell.user_ns["outer"].is_meta
+    assert HELPER not in shell.user_ns
+
+
+# -- choosing the device ------------------------------------------------------------------
+
+def test_device_omitted_uses_session_device(shell):
+    ok(shell, "import torch")
+    ok(shell, "%%ondevice\nx = torch.zeros(1).cuda()\n")
+    assert shell.user_ns["x"].device.type == "cpu"      # no GPU here: cpu
+    session.set_picked_device("meta")
+    ok(shell, "%%ondevice\ny = torch.zeros(1).cuda()\n")
+    assert shell.user_ns["y"].is_meta
+
+
+@pytest.mark.parametrize("line", ["tpu", "cuda:0", "cuda", "0", "cuda:x", "mps", "-3"])
+def test_bad_device_is_usage_error_naming_devices(shell, line):
+    if line == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has mps")
+    err, out, _ = fails(shell, f"%%ondevice {line}\nx = 1\n")
+    assert type(err) is UsageError
+    if line != "-3":   # argparse's own message for an unknown option
+        assert "valid choices: cpu" in str(err) and "meta" in str(err)
+    assert "x" not in shell.user_ns
+
+
+def test_bad_flag_is_usage_error(shell):
+    err, _, _ = fails(shell, "%%ondevice cpu --bogus\nx = 1\n")
+    assert type(err) is UsageError
+
+
+def test_empty_cell_does_nothing(shell):
+    def names():
+        return {n for n in shell.user_ns if not n.startswith("_")}
+    before = names()
+    result, out = ok(shell, "%%ondevice cpu\n\n# nothing here\n\n")
+    assert out.strip() == "" and result.result is None
+    assert names() == before
+
+
+# -- --move ------------------------------------------------------------------------------
+
+def test_move_modules_in_place_and_tensors_rebound(shell):
+    ok(shell, SEED + "x = torch.ones(4)\nbias = nn.Parameter(torch.zeros(3))\nn = 3\n")
+    ns = shell.user_ns
+    sq, x = ns["sq"], ns["x"]
+    sq_bytes = sum(p.nelement() * p.element_size() for p in sq.parameters())
+    result, out = ok(shell, "%%ondevice meta --move sq,x --move bias\nprobe = x.device\n")
+    assert ns["sq"] is sq and all(p.is_meta for p in sq.parameters())
+    assert ns["x"] is not x and ns["x"].is_meta and ns["probe"] == torch.device("meta")
+    assert isinstance(ns["bias"], torch.nn.Parameter) and ns["bias"].is_meta
+    assert f"moved to meta: sq (Sequential, {sq_bytes / 1024:.1f} KiB), x (tensor, 16 B), bias (tensor, 12 B)" in out
+    _, out = ok(shell, "%%ondevice meta --move x\npass\n")
+    assert "already on meta: x" in out
+
+
+@pytest.mark.parametrize("name, message", [("nope", "no such variable"), ("n", "is a int, not a tensor")])
+def test_move_bad_name_names_movable_variables(shell, name, message):
+    ok(shell, SEED + "x = torch.ones(4)\nn = 3\n")
+    err, _, _ = fails(shell, f"%%ondevice meta --move x,{name}\ny = 1\n")
+    assert type(err) is UsageError and message in str(err)
+    assert "valid choices: sq, x" in str(err)
+    assert shell.user_ns["x"].device.type == "cpu" and "y" not in shell.user_ns   # nothing changed
+
+
+# -- flags on a CPU machine ------------------------------------------------------------------
+
+def test_time_reports_wall_on_cpu(shell):
+    _, out = ok(shell, "%%ondevice cpu --time\nimport time\ntime.sleep(0.02)\n")
+    match = re.search(r"cpu: wall ([\d.]+) ms", out)
+    assert match and 15 < float(match.group(1)) < 1000
+
+
+def test_stream_and_sync_are_harmless_on_cpu(shell):
+    result, _ = ok(shell, "%%ondevice cpu --stream --sync\nimport torch\ntorch.ones(2).cuda().sum()\n")
+    assert result.result.item() == 2.0
+
+
+def test_run_on_device_plain_function(shell):
+    shell.user_ns["torch"] = torch
+    result = run_on_device(shell, "a = torch.cuda.HalfTensor(2, 2)\na.shape", OnDeviceOptions(device="meta"))
+    assert result.device == "meta" and result.ran and tuple(result.value) == (2, 2)
+    assert result.rewrites == 1 and shell.user_ns["a"].dtype == torch.float16
+    assert run_on_device(shell, "   \n", OnDeviceOptions(device="meta")).ran is False
