@@ -546,6 +546,37 @@ def _compile(shell, cell: str, header: str) -> _Cell:
     return _Cell(compile(tree, filename, "exec"), tree, filename, source)
 
 
+def _function_globals(func, ns: dict, depth: int = 0) -> set:
+    """Notebook names a notebook function uses (``def step(x): return model(x)`` -> model)."""
+    code = getattr(func, "__code__", None)
+    if code is None or getattr(func, "__globals__", None) is not ns or depth > 3:
+        return set()
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    for name in list(names):
+        if callable(ns.get(name)) and ns.get(name) is not func:
+            names |= _function_globals(ns[name], ns, depth + 1)
+    return names
+
+
+def _with_function_globals(tree: ast.Module, ns: dict) -> ast.Module:
+    """The cell's tree plus reads of the notebook names its notebook functions use.
+
+    A cell that calls ``train_epoch()``, which trains the global ``model``,
+    shares that model as if the cell named it.
+    """
+    extra = set()
+    for name in names_read(tree):
+        extra |= _function_globals(ns.get(name), ns)
+    if not extra:
+        return tree
+    reads = [ast.Expr(ast.Name(id=n, ctx=ast.Load())) for n in sorted(extra) if n in ns]
+    return ast.Module(body=list(tree.body) + reads, type_ignores=[])
+
+
 def _cell_sources() -> dict:
     """linecache entries of notebook cells, so spawned workers can show their lines."""
     return {name: "".join(entry[2]) for name, entry in list(linecache.cache.items())
@@ -971,12 +1002,35 @@ def _stop_workers(processes: list, grace: float = STOP_GRACE) -> list:
     return codes
 
 
+@contextmanager
+def _bare_main(method: str):
+    """Hide the notebook's ``__main__`` while spawning.
+
+    spawn and forkserver re-import the parent's ``__main__`` in each child: a
+    notebook has none to import (and after ``%reset`` no ``__spec__`` either),
+    and after ``%run script.py`` its ``__file__`` would run the script again in
+    every worker. Workers need nothing from it: the cell travels by value.
+    """
+    if method == "fork":
+        yield
+        return
+    import types
+    main = sys.modules.get("__main__")
+    stub = types.ModuleType("__main__")
+    stub.__spec__ = None
+    sys.modules["__main__"] = stub
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _start_worker(ctx, method: str, rank: int, world: int, spec: _Spec):
     recv, send = ctx.Pipe(duplex=False)
     parent = os.getpid() if method in ("fork", "spawn") else None
     process = ctx.Process(target=_worker_main, args=(rank, world, spec, send, parent),
                           name=f"sharedtrain-{rank}", daemon=False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _bare_main(method):
         # Python 3.12+ warns on fork with threads; the start method chose fork knowing which run.
         warnings.simplefilter("ignore", DeprecationWarning)
         process.start()
@@ -1125,6 +1179,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         result = train_shared(get_ipython(), "for x, y in loader:\\n    ...", nprocs=2)
         result.history.series("loss")
     """
+    __tracebackhide__ = True  # noqa: F841 - IPython shows the user's cell, not this frame
     import multiprocessing as mp
     import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions
 
@@ -1134,7 +1189,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         raise usage_error("the cell is empty: write the training loop each worker runs")
     nprocs, crowded = _check_nprocs(nprocs)
     compiled = _compile(shell, cell, header)
-    modules = find_modules(compiled.tree, ns, [model] if model else None)
+    modules = find_modules(_with_function_globals(compiled.tree, ns), ns, [model] if model else None)
     device_name, move = _resolve_device(device, modules)
     method, reason = choose_start_method(start_method, device_name)
     if method == "fork" and start_method == "fork":
@@ -1212,8 +1267,14 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         run.tick(force=True)
         _wait(run, processes, conns)
         result.status = "done"
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        # A fresh one: the notebook need not see where the kernel happened to be waiting.
+        interrupt = KeyboardInterrupt()
+        interrupt.result = result
+        raise interrupt from None
     except BaseException as exc:
-        result.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        result.status = "failed"
         exc.result = result
         raise
     finally:

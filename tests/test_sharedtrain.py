@@ -1,0 +1,490 @@
+"""%%sharedtrain: real Hogwild runs on the CPU with 2 worker processes.
+
+Each run checks what the notebook sees afterwards (weights, loss on a fixed
+set, the same model object, per-worker reports) and that nothing is left
+behind: no worker processes, no /dev/shm files or semaphores, no open files.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from gpumagic.errors import WorkerError
+from gpumagic.parallel import hogwild
+from tests.conftest import ROOT, run_cell
+
+SETUP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+class Indexed(Dataset):
+    # Defined in the notebook: spawned workers get it by value.
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] + self.x[:, 1] > 0).long()
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 2)
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+torch.manual_seed(0)
+model = Net()
+data = Indexed(512)
+loader = DataLoader(data, batch_size=32, shuffle=True)
+
+def fixed_loss():
+    with torch.no_grad():
+        return F.cross_entropy(model(data.x), data.y).item()
+"""
+
+TRAIN = """%%sharedtrain --nprocs 2 --start-method {method} --seed 3
+for epoch in range(3):
+    for x, y, idx in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        report(loss=loss, ids=idx, epoch=epoch)
+print(f"rank {{rank}} of {{world_size}} finished")
+"""
+
+
+# --------------------------------------------------------------------------- hygiene
+
+def _helper_pids() -> set:
+    """multiprocessing's own long-lived helpers (resource tracker, fork server): not workers."""
+    from multiprocessing import forkserver, resource_tracker
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {p for p in pids if p}
+
+
+def _helper_fds() -> set:
+    from multiprocessing import forkserver, resource_tracker
+    fds = {getattr(resource_tracker._resource_tracker, "_fd", None),
+           getattr(forkserver._forkserver, "_forkserver_alive_fd", None)}
+    return {str(f) for f in fds if f is not None}
+
+
+def _children() -> set:
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            out.add(child.pid)
+        except psutil.Error:
+            continue
+    return out - _helper_pids()
+
+
+_RUN_FDS = ("pipe:", "socket:", "anon_inode:", "/dev/shm/", "/memfd:")
+
+
+def _fds() -> dict:
+    """Descriptors of the kinds a run opens: pipes, sockets, shared memory, anonymous files."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(_RUN_FDS):
+            out[fd] = target
+    return out
+
+
+def _shm(pids) -> set:
+    names = set(os.listdir("/dev/shm"))
+    mine = {n for n in names if any(n.startswith(f"torch_{p}_") for p in pids)}
+    return mine | {n for n in names if n.startswith("sem.")}
+
+
+class Hygiene:
+    """Snapshot processes, fds and /dev/shm; ``check()`` after the notebook let go of the model."""
+
+    def __init__(self):
+        self.children = _children()
+        self.fds = _fds()
+        self.shm = _shm({os.getpid()})
+
+    def check(self, shell, worker_pids=()):
+        for pid in worker_pids:
+            assert not _alive(pid), f"worker {pid} is still running"
+        assert _children() <= self.children, "a worker process outlived the run"
+        assert _shm({os.getpid(), *worker_pids}) <= self.shm, "shared memory files or semaphores leaked"
+
+    def check_released(self, shell):
+        """Shared weights keep a descriptor each while the model lives: once the notebook and
+        the test let go of it, every descriptor the run opened must be closed."""
+        shell.reset(new_session=False)
+        # The last error (kept for %debug) has frames that hold the model.
+        shell.last_execution_result = None
+        shell.InteractiveTB.tb = None
+        for name in ("last_value", "last_traceback", "last_type", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
+        gc.collect()
+        after = _fds()
+        leaked = {fd: target for fd, target in after.items()
+                  if self.fds.get(fd) != target and fd not in _helper_fds()}
+        assert not leaked, f"open files leaked: {leaked}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _ids_by_epoch(history, rank, epoch):
+    return [i for e in history[rank] if e["epoch"] == epoch for i in e["ids"]]
+
+
+def _check_trained(shell, before_model, before_weight, before_loss, method):
+    ns = shell.user_ns
+    assert ns["model"] is before_model, "the notebook's model must be the trained object itself"
+    assert not torch.equal(ns["model"].fc1.weight.detach(), before_weight)
+    assert all(p.is_shared() for p in ns["model"].parameters())
+    after_loss = ns["fixed_loss"]()
+    assert after_loss < before_loss - 0.05, (before_loss, after_loss)
+    result = ns["sharedtrain"]
+    assert result.start_method == method and result.status == "done"
+    assert result.model is before_model and result.model_name == "model"
+    history = result.history
+    assert len(history) == 2
+    for rank in range(2):
+        entries = history[rank]
+        assert len(entries) == 3 * 8  # 512 samples / 32 per batch / 2 workers, 3 epochs
+        assert [e["step"] for e in entries] == list(range(1, 25))
+        assert all(isinstance(e["loss"], float) and e["time"] > 0 for e in entries)
+    for epoch in range(3):
+        ids0, ids1 = _ids_by_epoch(history, 0, epoch), _ids_by_epoch(history, 1, epoch)
+        assert not set(ids0) & set(ids1), "workers saw the same samples"
+        assert sorted(ids0 + ids1) == list(range(512)), "each epoch covers the dataset once"
+    assert [w.state for w in result.workers] == ["done", "done"]
+    assert all(w.samples == 3 * 256 and w.exitcode == 0 for w in result.workers)
+    return result
+
+
+# --------------------------------------------------------------------------- training
+
+def test_fork_trains_the_notebook_model(shell):
+    hygiene = Hygiene()
+    run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.2)")
+    ns = shell.user_ns
+    model, weight, loss = ns["model"], ns["model"].fc1.weight.detach().clone(), ns["fixed_loss"]()
+    result, out, _ = run_cell(shell, TRAIN.format(method="fork"))
+    assert result.error_in_exec is None, out
+    trained = _check_trained(shell, model, weight, loss, "fork")
+    assert "[rank 0] rank 0 of 2 finished" in out and "[rank 1] rank 1 of 2 finished" in out
+    assert "sharedtrain: 2 workers (fork) on cpu trained 'model'" in out
+    assert "loss rank 1:" in out  # the per-worker loss sparkline
+    assert trained.first_step is not None and trained.samples_per_s > 0
+    hygiene.check(shell, [w.pid for w in trained.workers])
+    del model, trained, result
+    hygiene.check_released(shell)
+
+
+def test_spawn_runs_notebook_classes_and_copies_the_optimizer(shell):
+    hygiene = Hygiene()
+    run_cell(shell, SETUP + textwrap.dedent("""
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+        def step_loss(x, y):   # a notebook function, called in the workers
+            return F.cross_entropy(model(x), y)
+    """))
+    ns = shell.user_ns
+    model, weight, loss = ns["model"], ns["model"].fc1.weight.detach().clone(), ns["fixed_loss"]()
+    result, out, _ = run_cell(shell, TRAIN.format(method="spawn").replace("F.cross_entropy(model(x), y)",
+                                                                          "step_loss(x, y)"))
+    assert result.error_in_exec is None, out
+    trained = _check_trained(shell, model, weight, loss, "spawn")
+    assert "[rank 1] rank 1 of 2 finished" in out
+    # Workers stepped their own copies of Adam: the notebook's optimizer never took a step.
+    assert ns["optimizer"].state == {}
+    assert any("each worker steps its own copy (Adam" in n for n in trained.notes)
+    hygiene.check(shell, [w.pid for w in trained.workers])
+    del model, trained, result
+    hygiene.check_released(shell)
+
+
+# --------------------------------------------------------------------------- endings
+
+ERROR_CELL = """%%sharedtrain --nprocs 2 --start-method {method}
+for x, y, idx in loader:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    report(loss=loss)
+    if rank == 1:
+        raise RuntimeError("worker one failed")
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_error_stops_all_and_points_at_the_cell_line(shell, method):
+    hygiene = Hygiene()
+    run_cell(shell, SETUP)
+    model = shell.user_ns["model"]
+    result, out, _ = run_cell(shell, ERROR_CELL.format(method=method))
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError), out
+    assert error.rank == 1 and error.exc_type == "RuntimeError" and error.message == "worker one failed"
+    assert isinstance(error.pid, int) and error.pid != os.getpid()
+    # Line 7 counts the magic's line, as the notebook shows the cell.
+    assert "line 7" in error.remote_traceback and 'raise RuntimeError("worker one failed")' in error.remote_traceback
+    assert "Cell In[" in error.remote_traceback
+    assert "WorkerError: rank 1" in out and "RuntimeError: worker one failed" in out
+    partial = shell.user_ns["sharedtrain"]
+    assert partial.status == "failed" and partial.workers[1].state == "failed"
+    assert shell.user_ns["model"] is model
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randn(4, 8))).all()
+    hygiene.check(shell, [w.pid for w in partial.workers])
+    del model, partial, error, result
+    hygiene.check_released(shell)
+
+
+def test_interrupt_stops_every_worker_within_5_seconds(shell):
+    hygiene = Hygiene()
+    run_cell(shell, SETUP)
+    state = {"sent": None, "running": True}
+    before = _children()
+
+    def interrupt():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and state["running"]:
+            if len(_children() - before) >= 2:
+                time.sleep(0.5)  # let the workers get into their loop
+                if state["running"]:
+                    state["sent"] = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    try:
+        result, out, _ = run_cell(shell, """%%sharedtrain --nprocs 2 --start-method fork
+import time
+while True:
+    report(loss=model(torch.randn(2, 8)).sum())
+    time.sleep(0.01)
+""")
+    finally:
+        state["running"] = False
+        sender.join()
+    returned = time.monotonic()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), out
+    assert state["sent"] is not None and returned - state["sent"] < 5.0
+    partial = shell.user_ns["sharedtrain"]
+    assert partial.status == "interrupted" and all(len(h) > 0 for h in partial.history)
+    assert "stopped 2 workers" in out
+    hygiene.check(shell, [w.pid for w in partial.workers])
+    del partial, result
+    hygiene.check_released(shell)
+
+
+KILL_SCRIPT = """
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "gpumagic")
+shell.run_cell("import torch, torch.nn as nn\\nmodel = nn.Linear(4, 2)")
+shell.run_cell('''%%sharedtrain --nprocs 2 --start-method {method}
+import os, time
+print("pid", os.getpid(), flush=True)
+while True:
+    model(torch.randn(2, 4)).sum().backward()
+    time.sleep(0.01)
+''')
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_killed_kernel_leaves_no_workers(method):
+    kernel = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT.format(method=method)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = kernel.stdout.readline()
+            if not line:
+                break
+            if "] pid " in line:
+                pids.append(int(line.rsplit(" ", 1)[1]))
+        assert len(pids) == 2, "the workers did not start"
+        assert all(_alive(p) for p in pids)
+    finally:
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "workers outlived their kernel"
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("line, cell, message", [
+    ("--nprocs 0", "model(x)", "--nprocs must be a positive number of processes, not 0; valid choices: 1"),
+    ("--nprocs -3", "model(x)", "not -3"),
+    ("--device tpu", "model(x)", "unknown device 'tpu'; valid choices: cpu"),
+    ("--device cuda:3", "model(x)", "device 'cuda:3'"),
+    ("--device meta", "model(x)", "Hogwild shares memory on the CPU or a CUDA GPU; valid choices: cpu"),
+    ("--model x", "model(x)", "--model 'x' is a Tensor, not a torch.nn.Module; valid choices: model"),
+    ("--model nothing", "model(x)", "no such variable"),
+    ("", "y = x * 2", "the cell uses no torch.nn.Module from the notebook"),
+    ("--start-method thread", "model(x)", "invalid choice: 'thread' (choose from 'spawn', 'fork', 'forkserver')"),
+    ("--nprocs two", "model(x)", "invalid int value: 'two'"),
+    ("", "\n# nothing\n", "the cell is empty"),
+])
+def test_bad_input_is_a_usage_error_and_changes_nothing(shell, line, cell, message):
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)\nx = torch.randn(3, 8)")
+    before = _children()
+    result, out, _ = run_cell(shell, f"%%sharedtrain {line}\n{cell}")
+    assert isinstance(result.error_in_exec, UsageError), out
+    assert message in str(result.error_in_exec)
+    assert not shell.user_ns["model"].weight.is_shared()  # refused before touching the notebook
+    assert "sharedtrain" not in shell.user_ns
+    assert _children() == before
+
+
+def test_more_processes_than_cores_warns_and_unshardable_loader_is_noted(shell):
+    cores = len(os.sched_getaffinity(0))
+    run_cell(shell, """
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(6))
+stream = DataLoader(Stream(), batch_size=2)
+model = torch.nn.Linear(2, 1)
+""")
+    result, out, _ = run_cell(shell, f"""%%sharedtrain --nprocs {cores + 1} --start-method fork
+for batch in stream:
+    report(items=batch, r=torch.rand(()).item())
+model(torch.ones(1, 2))
+""")
+    assert result.error_in_exec is None, out
+    assert f"Warning: {cores + 1} processes on {cores} CPU core(s)" in out
+    trained = shell.user_ns["sharedtrain"]
+    assert any("'stream' cannot be sharded (it reads an IterableDataset)" in n for n in trained.notes)
+    # Not sharded: every worker read it all; reseeded per rank: their random draws differ.
+    assert all([i for e in h for i in e["items"]] == list(range(6)) for h in trained.history)
+    assert len({h[0]["r"] for h in trained.history}) == cores + 1
+    assert [w.steps for w in trained.workers] == [3] * (cores + 1)
+
+
+# --------------------------------------------------------------------------- decisions
+
+class _FakeThread:
+    def __init__(self, name, target=None, cls_module="threading"):
+        self.name, self._target = name, target
+        self.__class__ = type("Thread", (_FakeThread,), {"__module__": cls_module})
+
+    def is_alive(self):
+        return True
+
+
+def test_start_method_is_fork_only_where_safe():
+    from IPython.core.history import HistorySavingThread
+    safe = [_FakeThread("IPythonHistorySavingThread", cls_module=HistorySavingThread.__module__),
+            _FakeThread("Heartbeat", cls_module="ipykernel.heartbeat")]
+    assert hogwild.choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
+    user = safe + [_FakeThread("Thread-9 (poll)", target=_helper_pids)]
+    method, why = hogwild.choose_start_method(None, "cpu", False, user, "linux")
+    assert method == "spawn" and "'Thread-9 (poll)'" in why
+    assert hogwild.choose_start_method(None, "cpu", True, safe, "linux")[0] == "spawn"
+    assert hogwild.choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
+    assert hogwild.choose_start_method(None, "cuda:0", False, safe, "linux")[0] == "spawn"
+    assert hogwild.choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
+    with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; valid choices: spawn"):
+        hogwild.choose_start_method("fork", "cuda:1", True, safe, "linux")
+
+
+def test_sharing_plan_follows_the_open_file_limit():
+    assert hogwild.plan_sharing(100, 20, 1024, 4096) == ("file_descriptor", None, None)
+    strategy, soft, note = hogwild.plan_sharing(2000, 20, 1024, 1 << 20)
+    assert strategy == "file_descriptor" and soft == 2 * (2000 + 20 + 64) and "1024" in note
+    strategy, soft, note = hogwild.plan_sharing(2000, 20, 1024, 1500)
+    assert strategy == "file_system" and soft is None and "ulimit -n" in note
+    assert hogwild.plan_sharing(10 ** 6, 20, 1024, 1500, strategy="file_system") == ("file_system", None, None)
+
+
+LOW_LIMIT_SCRIPT = """
+import os, resource, torch
+from gpumagic.parallel.hogwild import train_shared
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)])   # 80 storages
+before = model[-1].bias.detach().clone()
+ns = {"torch": torch, "model": model}
+result = train_shared(ns, '''
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    opt.zero_grad(); model(torch.ones(2, 4)).pow(2).sum().backward(); opt.step()
+''', nprocs=2, start_method="fork", seed=0)
+print("strategy", result.sharing_strategy, result.status)
+print("changed", not torch.equal(before, model[-1].bias.detach()))
+print("note", result.notes[0])
+print("pid", os.getpid())
+"""
+
+
+def test_low_open_file_limit_switches_to_file_system_sharing():
+    out = subprocess.run([sys.executable, "-c", LOW_LIMIT_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "strategy file_system done" in out.stdout and "changed True" in out.stdout
+    assert "too low to share 80 tensors by file descriptor" in out.stdout
+    pid = out.stdout.rsplit("pid ", 1)[1].strip()
+    deadline = time.monotonic() + 5  # torch_shm_manager removes the files once the process is gone
+    while any(n.startswith(f"torch_{pid}_") for n in os.listdir("/dev/shm")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(n.startswith(f"torch_{pid}_") for n in os.listdir("/dev/shm"))
+
+
+def test_history_and_summary_rendering():
+    from gpumagic.magics.sharedtrain import render_summary, sparkline
+    history = hogwild.History(2)
+    history.extend(0, [{"step": 1, "time": 0.1, "loss": 2.0}, {"step": 2, "time": 0.3, "loss": 1.0}])
+    history.extend(1, [{"step": 1, "time": 0.2, "loss": 3.0, "acc": 0.5}])
+    assert history.keys() == ["loss", "acc"]
+    assert history.series("loss") == [[(1, 2.0), (2, 1.0)], [(1, 3.0)]]
+    assert history.last("acc") == [None, 0.5]
+    assert [r["rank"] for r in history.rows()] == [0, 1, 0]
+    assert repr(history) == "History(2 workers; reports per rank: 2, 1; keys: loss, acc)"
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert sparkline([1.0] * 100, width=10) == "▁" * 10
+    stats = [hogwild.WorkerStats(rank=r, pid=100 + r, steps=2, samples=64, first_step=0.1, last_time=0.5,
+                                 last={"loss": 1.0}, state="done") for r in range(2)]
+    result = hogwild.SharedTrainResult(modules={"net": torch.nn.Linear(1, 1)}, nprocs=2, start_method="fork",
+                                       start_reason="safe", device="cpu", seed=0,
+                                       sharing_strategy="file_descriptor", history=history, workers=stats,
+                                       seconds=0.6, status="done", notes=["a note"])
+    view = render_summary(result)
+    assert "2 workers (fork) on cpu trained 'net': 4 steps, 128 samples in 0.6 s; 320 samples/s" in view.text
+    assert "loss rank 0: ▅▁  2 -> 1" in view.text and "loss rank 1: █  3 -> 3" in view.text and "  a note" in view.text
+    assert "<svg" in view.html_text and view.html_text.count("<polyline") == 2
