@@ -1,0 +1,139 @@
+"""``%%dataparallel``: train the cell's model on every device; the trained weights come back.
+
+Thin: parse the line, make a :class:`gpumagic.parallel.Plan`, call
+``parallel.ddp.run_cell`` or ``parallel.dp.run_cell``, show a one-line
+summary. The line form manages the worker pool: ``%dataparallel status``,
+``%dataparallel stop``.
+"""
+from __future__ import annotations
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .. import display
+from ..errors import usage_error
+from .args import parse
+
+__all__ = ["DataParallelMagics", "pool_status"]
+
+_ACTIONS = ("status", "stop")
+
+
+def pool_status() -> display.Rendered:
+    """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid."""
+    from .. import pool as poolmod
+    from ..parallel import POOL_NAME
+    pool = poolmod.current_pool(POOL_NAME)
+    if pool is None:
+        return display.Rendered("%%dataparallel pool: not started (the first %%dataparallel cell starts it)",
+                                "<b>%%dataparallel pool</b>: not started (the first %%dataparallel cell starts it)")
+    st = pool.status()
+    head = (f"%%dataparallel pool: {st['state']}, {st['world_size']} rank(s), backend {st['backend']}, "
+            f"rendezvous {st['rendezvous'] or '-'}, started in {st['start_seconds'] or 0:.1f} s, "
+            f"{st['tasks_run']} cell(s) run")
+    cached = getattr(pool, "held", set())
+    if cached:
+        head += f", {len(cached)} large tensor(s) kept in the workers"
+    header = ["rank", "device", "name", "pid", "alive", "memory (RSS)"]
+    rows = [[str(r["rank"]), r["device"], r.get("device_name") or "", str(r["pid"]), "yes" if r["alive"] else "no",
+             display.fmt_bytes(r["rss"])] for r in st["ranks"]]
+    return display.Rendered(head + "\n" + display.text_table(rows, header),
+                            f"<b>{head}</b>" + display.html_table(rows, header))
+
+
+@magics_class
+class DataParallelMagics(Magics):
+    """``%%dataparallel`` and ``%dataparallel status|stop``."""
+
+    @magic_arguments()
+    @argument("action", nargs="?", default=None,
+              help="line form only: 'status' (the worker pool) or 'stop' (end the worker processes)")
+    @argument("--devices", default=None,
+              help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
+    @argument("--nprocs", type=int, default=None,
+              help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU")
+    @argument("--strategy", default="ddp", choices=["ddp", "dp"],
+              help="ddp (default): one worker process per device with DistributedDataParallel; "
+                   "dp: in the kernel, each call of the model split over the devices")
+    @argument("--model", default=None,
+              help="NAME[,NAME]: the module(s) to train (default: the modules the cell uses)")
+    @argument("--backend", default=None, choices=["nccl", "gloo"],
+              help="torch.distributed backend (default: nccl on GPUs, gloo on CPU)")
+    @argument("--timeout", type=float, default=None,
+              help="seconds a collective may wait before the ranks give up (default 1800)")
+    @argument("--all-output", action="store_true",
+              help="show every rank's output, each line prefixed [rank N] (default: rank 0's)")
+    @argument("--seed", type=int, default=None, help="seed every rank with this (default: drawn from torch's RNG)")
+    @argument("--static-graph", action="store_true",
+              help="DDP static_graph=True: the same parameters are used in every step (a little faster)")
+    @argument("--find-unused", action="store_true",
+              help="DDP find_unused_parameters=True: for models whose forward skips some parameters")
+    @argument("--bucket-mb", type=float, default=None, help="DDP gradient bucket size in MB (default 25)")
+    @line_cell_magic
+    def dataparallel(self, line, cell=None):
+        """Train the cell's model on every GPU; the notebook's model gets the trained weights.
+
+        In a notebook::
+
+            %%dataparallel
+            for epoch in range(3):
+                for x, y in train_loader:
+                    x, y = x.cuda(), y.cuda()
+                    opt.zero_grad()
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                losses.append(loss.item())
+
+        One worker process per GPU runs the cell with ``model`` wrapped in
+        DistributedDataParallel and ``train_loader`` split so that the ranks
+        share every batch. Afterwards ``model`` and ``opt`` (the same
+        objects) hold rank 0's trained state and ``losses`` its values.
+        Without GPUs, ``--nprocs N`` runs N CPU processes (gloo).
+
+        ``%dataparallel status`` shows the worker pool; ``%dataparallel stop``
+        ends it (``%unload_ext gpumagic`` does too).
+        """
+        args = parse(self.dataparallel, line)
+        if cell is None:
+            return self._line(args)
+        if args.action is not None:
+            raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
+                              "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
+        from ..cells import is_empty
+        from ..parallel import make_plan
+        plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
+                         backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
+                         static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb)
+        if is_empty(cell):
+            return None
+        header = f"%%dataparallel {line}".rstrip()
+        if plan.strategy == "dp":
+            from ..parallel import dp
+            return dp.run_cell(self.shell, cell, plan, header=header).value
+        from ..parallel import ddp
+        for text in plan.notes:
+            display.note(text)
+        result = ddp.run_cell(self.shell, cell, plan, header=header)
+        if result.not_returned:
+            display.note("left in the workers (not plain values): " + ", ".join(result.not_returned))
+        display.note(result.summary())
+        return result.value
+
+    def _line(self, args):
+        action = args.action or "status"
+        if action not in _ACTIONS:
+            raise usage_error(f"%dataparallel {action!r}: the line form takes an action", _ACTIONS)
+        if action == "stop":
+            from .. import pool as poolmod
+            from ..parallel import POOL_NAME
+            stopped = poolmod.stop_pool(POOL_NAME)
+            display.note("%%dataparallel pool stopped" if stopped else "%%dataparallel pool was not running")
+            return None
+        shown = pool_status()
+        if display.widgets_supported(self.shell):
+            from IPython.display import display as show
+            show(shown)
+        else:
+            print(shown.text)
+        return None

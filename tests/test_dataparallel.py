@@ -1,0 +1,402 @@
+"""%%dataparallel on the CPU, for real: two gloo worker processes, through a real InteractiveShell.
+
+One pool serves most tests (it is reused from cell to cell, which is itself
+under test); the tests that must kill it (errors, interrupts, stop, unload)
+run last and start fresh ones.
+"""
+from __future__ import annotations
+
+import _thread
+import ast
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from gpumagic import pool as poolmod
+from gpumagic.errors import WorkerError
+from gpumagic.loaders import shard_loader
+from gpumagic.parallel import POOL_NAME, make_plan
+from gpumagic.parallel import ship
+from gpumagic.parallel.ddp import last_result, used_names
+from gpumagic.parallel.dp import ModelCallRewriter
+from tests.conftest import ROOT, run_cell
+
+CPU2 = "--devices cpu --nprocs 2"
+
+SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(nn.Module):                      # defined in the notebook: travels by value
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(6, 12)
+        self.out = nn.Linear(12, 2)
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(x)))
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+X = torch.randn(64, 6)
+Y = torch.randn(64, 2)
+loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle={shuffle})
+losses = []
+"""
+
+TRAIN = """
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+final_loss = float(loss)
+"""
+
+
+def _pool():
+    return poolmod.current_pool(POOL_NAME)
+
+
+def _alive(pid) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_dead(pids, timeout=5.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _reference(ns, epochs=2, seed=None):
+    """Train copies of the notebook's model and optimizer in this process on the full batches."""
+    model = copy.deepcopy(ns["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(ns["opt"].state_dict())
+    loader = ns["loader"] if seed is None else shard_loader(ns["loader"], 0, 1, seed=seed)
+    losses = []
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return model, opt, losses
+
+
+def _cell(shell, line, body):
+    with capture_output() as cap:
+        value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
+    return value, cap
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pool_after_module():
+    yield
+    poolmod.stop_pool(POOL_NAME)
+
+
+# ---------------------------------------------------------------- plans and bad input (no processes)
+
+def test_plan_picks_cpu_processes_without_gpus():
+    plan = make_plan(nprocs=3, gpus=[])
+    assert (plan.strategy, plan.devices, plan.backend) == ("ddp", ["cpu"] * 3, "gloo")
+    assert make_plan(gpus=[]).devices == ["cpu", "cpu"]
+    assert make_plan(strategy="dp", gpus=[]).devices == ["cpu"]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(nprocs=0), "--nprocs 1"),
+    (dict(devices="tpu"), "valid choices: cpu"),
+    (dict(devices="cuda:3"), "cpu"),
+    (dict(backend="nccl"), "gloo"),
+    (dict(strategy="horovod"), "ddp, dp"),
+    (dict(devices="cpu", nprocs=2, timeout=-1), "positive"),
+])
+def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
+    with pytest.raises(UsageError) as err:
+        make_plan(gpus=[], **kwargs)
+    assert says in str(err.value)
+
+
+def test_magic_bad_input_raises_usage_error_before_any_process(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    before = _pool()
+    cases = [
+        ("--nprocs 0", TRAIN, "--nprocs 1"),
+        ("--devices tpu", TRAIN, "valid choices: cpu"),
+        ("--strategy horovod", TRAIN, "ddp"),
+        ("--backend nccl --devices cpu --nprocs 2", TRAIN, "gloo"),
+        (f"{CPU2} --model opt", TRAIN, "model"),           # names the modules that exist
+        (f"{CPU2} --model nothing", TRAIN, "no such variable"),
+        (CPU2, "z = X.sum()\n", "uses no torch.nn.Module"),
+    ]
+    for line, body, says in cases:
+        with pytest.raises(UsageError) as err:
+            shell.run_cell_magic("dataparallel", line, body)
+        assert says in str(err.value), (line, str(err.value))
+    assert _pool() is before  # nothing was started for bad input
+    with pytest.raises(UsageError, match="status, stop"):
+        shell.run_line_magic("dataparallel", "restart")
+
+
+def test_used_names_follow_notebook_functions():
+    ns = {"__name__": "__main__"}
+    exec("def step():\n    return model(x)\nmodel = 1\nx = 2\n", ns)
+    assert used_names(ast.parse("step()"), ns) == ["step", "model", "x"]
+
+
+def test_model_calls_rewritten_for_dp():
+    tree = ModelCallRewriter({"model"}).visit(ast.parse("y = model(x, k=1)\nz = other(x)\nm = model.fc(x)"))
+    assert ast.unparse(tree) == "y = __gpumagic_dp__(model, x, k=1)\nz = other(x)\nm = model.fc(x)"
+
+
+# ---------------------------------------------------------------- the flagship path, for real
+
+def test_equivalence_with_single_process_training(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    model, opt, losses = ns["model"], ns["opt"], ns["losses"]
+    ref_model, ref_opt, ref_losses = _reference(ns)
+
+    _cell(shell, CPU2, TRAIN)
+
+    assert ns["model"] is model and ns["opt"] is opt and ns["losses"] is losses  # the same objects, in place
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
+    # the optimizer's state (momentum) is rank 0's, on the notebook's own parameters
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+                                   atol=1e-5, rtol=0)
+    # rank 0's losses are over its half of each batch: 8 steps, close to the full-batch losses
+    assert len(losses) == 8 and abs(ns["final_loss"] - losses[-1]) < 1e-6
+    result = last_result()
+    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert {r: s["samples"] for r, s in result.per_rank.items()} == {0: 64, 1: 64}
+    assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
+
+
+def test_shuffled_loader_and_notebook_function(shell):
+    """A cell that only calls a notebook function: its globals are the DDP model and the sharded loader."""
+    run_cell(shell, SETUP.format(shuffle=True))
+    run_cell(shell, "def train_epoch():\n" + textwrap.indent(
+        "for x, y in loader:\n    opt.zero_grad()\n    ((model(x) - y) ** 2).mean().backward()\n    opt.step()\n",
+        "    "))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns, epochs=2, seed=123)
+    _cell(shell, f"{CPU2} --seed 123", "for epoch in range(2):\n    train_epoch()\n")
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
+
+
+def test_pool_is_reused_and_output_streams(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "n = float(model(X).sum())\n")
+    pool = _pool()
+    pids = list(pool.pids)
+    value, cap = _cell(shell, CPU2, """
+        import torch.distributed as dist
+        print("hello from", dist.get_rank())
+        rank_seen = dist.get_rank()
+        world = dist.get_world_size()
+        out = model(X[:2])
+        world * 10
+    """)
+    result = last_result()
+    assert _pool() is pool and pool.pids == pids and result.pool_started is False
+    assert result.timings["start"] < 5.0          # no restart: a second cell starts at once
+    assert cap.stdout.count("hello from 0") == 1 and "hello from 1" not in cap.stdout
+    assert value == 20 and shell.user_ns["rank_seen"] == 0 and shell.user_ns["world"] == 2
+    assert "out" in result.not_returned and "out" not in shell.user_ns  # a tensor output stays in the workers
+
+    _, cap = _cell(shell, CPU2 + " --all-output", "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")
+    assert "[rank 0] hi 0" in cap.stdout and "[rank 1] hi 1" in cap.stdout
+
+
+def test_large_tensors_stay_in_workers_until_changed(shell):
+    run_cell(shell, "import torch\nfrom torch import nn\nbig = nn.Linear(512, 512)\n"
+                    "bopt = torch.optim.SGD(big.parameters(), lr=0.01)\n")
+    body = "bopt.zero_grad()\nbig(torch.ones(4, 512)).sum().backward()\nbopt.step()\ns = float(big.weight.sum())\n"
+    _cell(shell, CPU2, body)
+    first = last_result()
+    assert first.shipped_bytes >= 512 * 512 * 4
+    s1 = shell.user_ns["s"]
+    _cell(shell, CPU2, body)
+    second = last_result()
+    assert second.cached_bytes >= 512 * 512 * 4 and second.shipped_bytes < 512 * 512 * 4
+    # the workers' kept copy is the trained one: one more step of -lr * 4 on each of 512*512 weights
+    s2 = shell.user_ns["s"]
+    assert s2 == pytest.approx(s1 - 0.01 * 4 * 512 * 512, rel=1e-4)
+    assert s2 == pytest.approx(float(shell.user_ns["big"].weight.detach().sum()), rel=1e-6)
+    # changed in the notebook behind autograd's back: shipped again, and the workers see it
+    run_cell(shell, "big.weight.data.zero_()")
+    _cell(shell, CPU2, "s = float(big.weight.abs().sum())\n")
+    assert shell.user_ns["s"] == 0.0 and last_result().shipped_bytes >= 512 * 512 * 4
+
+
+def test_workers_use_no_shared_memory_and_listen_on_loopback_only(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, """
+        import os
+        maps = open('/proc/self/maps').read()
+        fds = [os.readlink(f'/proc/self/fd/{f}') for f in os.listdir('/proc/self/fd')
+               if os.path.exists(f'/proc/self/fd/{f}')]
+        shm = [l for l in maps.splitlines() + fds if '/dev/shm' in l]
+        out = model(X)
+    """)
+    assert shell.user_ns["shm"] == []
+    pids = [os.getpid()] + _pool().pids
+    listening = []
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append(c.laddr.ip)
+    assert listening, "the rendezvous and gloo should listen somewhere"
+    assert set(listening) <= {"127.0.0.1", "::1"}, listening
+
+
+def test_status_shows_ranks(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "y0 = float(model(X).sum())\n")
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "status")
+    for pid in _pool().pids:
+        assert str(pid) in cap.stdout
+    assert "running" in cap.stdout and "gloo" in cap.stdout and "127.0.0.1:" in cap.stdout
+
+
+# ---------------------------------------------------------------- dp strategy (in the kernel)
+
+def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    value, cap = _cell(shell, "--strategy dp", TRAIN + "len(losses)\n")
+    assert value == 8
+    assert "one device" in cap.stderr
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-6, rtol=0)
+    assert "__gpumagic_dp__" not in ns
+
+
+# ---------------------------------------------------------------- failures (these kill pools; run last)
+
+def test_symmetric_error_keeps_the_pool(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    with pytest.raises(WorkerError) as err:
+        _cell(shell, CPU2, "out = model(X)\nundefined_name + 1\n")
+    assert err.value.exc_type == "NameError" and err.value.rank == 0
+    assert _pool().alive and _pool().pids == pids  # every rank failed alike: nobody is stuck
+
+
+def test_error_on_one_rank_stops_all_and_leaves_model_unchanged(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    src = ("%%dataparallel " + CPU2 + "\n"
+           "import torch.distributed as dist\n"
+           "for x, y in loader:\n"
+           "    opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()\n"
+           "if dist.get_rank() == 1:\n"
+           "    raise ValueError('rank one fails')\n"
+           "dist.barrier()\n")
+    result, _, _ = run_cell(shell, src)
+    err = result.error_in_exec
+    assert isinstance(err, WorkerError), err
+    assert (err.rank, err.pid, err.exc_type) == (1, pids[1], "ValueError")
+    assert "rank one fails" in err.message
+    # the traceback points at the user's cell line (line 6 counting the magic's line)
+    assert f"Cell In[{shell.execution_count - 1}], line 6" in err.remote_traceback
+    assert "raise ValueError('rank one fails')" in err.remote_traceback
+    assert _wait_dead(pids) == []  # rank 0 was waiting in a barrier: killed, not left hanging
+    for k, v in ns["model"].state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the next cell gets a fresh pool and works
+    _cell(shell, CPU2, "ok = float(model(X).sum())\n")
+    assert _pool().pids != pids and isinstance(shell.user_ns["ok"], float)
+
+
+def test_interrupt_stops_every_rank_within_5_seconds(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    body = ("import time, torch, torch.distributed as dist\n"
+            "out = model(X)\n"
+            "for i in range(100000):\n"
+            "    t = torch.ones(1)\n"
+            "    dist.all_reduce(t)\n"
+            "    time.sleep(0.005)\n")
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        shell.run_cell_magic("dataparallel", CPU2, body)
+    interrupted_after = time.monotonic() - t0 - 1.5
+    timer.cancel()
+    assert interrupted_after < 5.0
+    assert _wait_dead(pids, timeout=5.0 - max(0.0, interrupted_after)) == []
+    _cell(shell, CPU2, "ok = 2\nmodel(X)\n")
+    assert shell.user_ns["ok"] == 2 and _pool().pids != pids
+
+
+def test_stop_and_unload_reap_the_pool(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    with capture_output():
+        shell.run_line_magic("dataparallel", "stop")
+    assert _wait_dead(pids) == [] and _pool() is None
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    shell.run_line_magic("unload_ext", "gpumagic")
+    try:
+        assert _wait_dead(pids) == []
+    finally:
+        shell.run_line_magic("load_ext", "gpumagic")
+
+
+def test_killed_kernel_leaves_no_worker_behind(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from gpumagic.pool import WorkerPool
+        pool = WorkerPool(["cpu", "cpu"], "gloo").start()
+        print(" ".join(map(str, pool.pids)), flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _wait_dead(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
