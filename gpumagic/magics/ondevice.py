@@ -1,6 +1,8 @@
 """``%%ondevice``: run a cell on a chosen device (thin: parse, run, display)."""
 from __future__ import annotations
 
+import argparse
+
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -18,6 +20,8 @@ def _names(values) -> tuple[str, ...]:
 
 
 def _ends_with_semicolon(cell: str) -> bool:
+    if ";" not in cell:
+        return False
     from IPython.core.displayhook import DisplayHook
     try:
         return DisplayHook.semicolon_at_end_of_expression(cell)
@@ -28,6 +32,18 @@ def _ends_with_semicolon(cell: str) -> bool:
 @magics_class
 class OnDeviceMagics(Magics):
     """The ``%%ondevice`` cell magic."""
+
+    _parsed: dict = {}
+
+    def _parse(self, line: str):
+        """``parse_argstring``, remembered per line: a loop of cells repeats the same line."""
+        cached = self._parsed.get(line)
+        if cached is None:
+            cached = parse_argstring(self.ondevice, line)
+            if len(self._parsed) > 256:
+                self._parsed.clear()
+            self._parsed[line] = cached
+        return argparse.Namespace(**vars(cached))
 
     @magic_arguments()
     @argument("device", nargs="?", default=None,
@@ -65,7 +81,7 @@ class OnDeviceMagics(Magics):
         """
         __tracebackhide__ = True  # noqa: F841
         from ..ondevice import OnDeviceOptions, run_on_device
-        args = parse_argstring(self.ondevice, line)
+        args = self._parse(line)
         options = OnDeviceOptions(
             device=args.device, stream=args.stream, sync=args.sync, time=args.time,
             move=_names(args.move), rewrite=not args.no_rewrite,
