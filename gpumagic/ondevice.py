@@ -233,6 +233,16 @@ def _user_traceback(tb):
     return new
 
 
+def _check_torch_cuda(torch, target) -> None:
+    """NVML may see a GPU that this torch cannot use (a CPU build, a driver too old)."""
+    if torch.cuda.is_available() and target.index < torch.cuda.device_count():
+        return
+    usable = [d for d in devices.available_devices(_gpus()) if not d.startswith("cuda")]
+    usable[1:1] = [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    raise usage_error(f"device {str(target)!r} is not usable by this torch "
+                      f"({torch.__version__}, CUDA {torch.version.cuda or 'not built'})", usable)
+
+
 # -- the run -------------------------------------------------------------------------
 
 def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
@@ -265,6 +275,8 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     import torch
     target = torch.device(device)
     on_gpu = target.type == "cuda"
+    if on_gpu:
+        _check_torch_cuda(torch, target)
     result = OnDeviceResult(device=device, rewrites=rewriter.rewrites if rewriter else 0)
     if to_move:
         result.moved = apply_moves(namespace, to_move, device)

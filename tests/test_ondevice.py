@@ -227,6 +227,18 @@ def test_bad_device_is_usage_error_naming_devices(shell, line):
     assert "x" not in shell.user_ns
 
 
+def test_gpu_torch_cannot_use_is_usage_error(shell, monkeypatch):
+    # NVML sees a GPU, but this torch has no CUDA: say so, naming what is usable.
+    from gpumagic import ondevice
+    from gpumagic.devices import Gpu
+    monkeypatch.setattr(ondevice, "_gpus", lambda: [Gpu(0, "GPU-x", None, "Fake GPU")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err, _, _ = fails(shell, "%%ondevice cuda:0\nx = 1\n")
+    assert type(err) is UsageError
+    assert "not usable by this torch" in str(err) and "valid choices: cpu, meta" in str(err)
+    assert "x" not in shell.user_ns
+
+
 def test_bad_flag_is_usage_error(shell):
     err, _, _ = fails(shell, "%%ondevice cpu --bogus\nx = 1\n")
     assert type(err) is UsageError
