@@ -259,6 +259,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     options = options or OnDeviceOptions()
     if is_empty(cell):
         return OnDeviceResult(device=None)
+    import torch  # before the rewrite, which resolves torch names through the live module
     device = resolve_device(options.device)
     namespace = shell.user_ns
     to_move = plan_moves(namespace, options.move) if options.move else []
@@ -272,7 +273,6 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
         # The error carries the user's file and line; the compiler's frames say nothing more.
         raise exc.with_traceback(None)
 
-    import torch
     target = torch.device(device)
     on_gpu = target.type == "cuda"
     if on_gpu:

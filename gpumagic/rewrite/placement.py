@@ -145,12 +145,18 @@ def _lookup(dotted: str):
     return obj
 
 
-@lru_cache(maxsize=512)
 def _takes_device(dotted: str) -> bool:
     """True for a ``torch.nn`` module class whose constructor accepts ``device=``."""
-    torch = sys.modules.get("torch")
+    if "torch" not in sys.modules:
+        return False   # not cached: torch may be imported later
+    return _class_takes_device(dotted)
+
+
+@lru_cache(maxsize=512)
+def _class_takes_device(dotted: str) -> bool:
+    torch = sys.modules["torch"]
     cls = _lookup(dotted)
-    if torch is None or not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         return False
     import inspect
     for klass in cls.__mro__:
