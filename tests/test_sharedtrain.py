@@ -213,14 +213,19 @@ def test_spawn_runs_notebook_classes_and_copies_the_optimizer(shell):
         optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
         def step_loss(x, y):   # a notebook function, called in the workers
             return F.cross_entropy(model(x), y)
+        big = torch.arange(500_000, dtype=torch.float64)[::2]   # 4 MB: reaches workers through shared memory
     """))
     ns = shell.user_ns
     model, weight, loss = ns["model"], ns["model"].fc1.weight.detach().clone(), ns["fixed_loss"]()
-    result, out, _ = run_cell(shell, TRAIN.format(method="spawn").replace("F.cross_entropy(model(x), y)",
-                                                                          "step_loss(x, y)"))
+    cell = TRAIN.format(method="spawn").replace("F.cross_entropy(model(x), y)", "step_loss(x, y)")
+    cell += "big.add_(1)  # a worker's own change: never the notebook's\nprint('big', big[:3].tolist(), big.is_shared())\n"
+    result, out, _ = run_cell(shell, cell)
     assert result.error_in_exec is None, out
     trained = _check_trained(shell, model, weight, loss, "spawn")
     assert "[rank 1] rank 1 of 2 finished" in out
+    # Workers mapped one shared copy of `big` and changed it; the notebook's tensor is as it was.
+    assert "[rank 0] big [" in out and "True" in out.split("[rank 0] big ")[1].split("\n")[0]
+    assert torch.equal(ns["big"], torch.arange(500_000, dtype=torch.float64)[::2]) and not ns["big"].is_shared()
     # Workers stepped their own copies of Adam: the notebook's optimizer never took a step.
     assert ns["optimizer"].state == {}
     assert any("each worker steps its own copy (Adam" in n for n in trained.notes)

@@ -357,7 +357,7 @@ def choose_start_method(requested: str | None, device: str, cuda_initialized: bo
     if unsafe:
         names = ", ".join(repr(t.name) for t in unsafe[:3])
         return "spawn", f"thread(s) {names} are running and could hold a lock across fork"
-    return "fork", "no CUDA and no other threads in the kernel, so fork is safe and fastest"
+    return "fork", "no CUDA in the kernel and no thread that could hold a lock across fork, so fork is safe and fastest"
 
 
 def plan_sharing(new_storages: int, open_fds: int, soft: int, hard: int,
@@ -593,32 +593,76 @@ def _travels_shared(obj) -> bool:
         return False
 
 
+LARGE_TENSOR = 1 << 20     # bytes: larger notebook tensors reach spawned workers through shared memory
+MAX_SHM_COPIES = 256       # each shared copy holds a file descriptor in every process
+
+
 def _pickler_class():
     import cloudpickle
 
     class SharedPickler(cloudpickle.Pickler):
-        """cloudpickle, except shared and CUDA tensors become persistent ids.
+        """cloudpickle, except shared, CUDA and large tensors become persistent ids.
 
         cloudpickle bypasses torch's shared-memory reductions (it would copy
         the weights); the ids are resolved against tensors sent through
-        multiprocessing's own pickler, which shares them.
+        multiprocessing's own pickler, which shares them. A large private CPU
+        tensor (a dataset) is copied once into shared memory and mapped by
+        every worker rather than pickled into each; the notebook's tensor is
+        not touched.
         """
 
-        def __init__(self, file):
+        def __init__(self, file, copy_large: bool = True):
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.shared: list = []
+            self.copy_large = copy_large
             self._index: dict = {}
+            self._keep: list = []        # what the ids stand for stays alive while pickling
+            self._copies: dict = {}      # storage -> its shared copy, so views keep sharing it
 
         def persistent_id(self, obj):
-            if isinstance(obj, torch.Tensor) and _travels_shared(obj):
-                index = self._index.get(id(obj))
-                if index is None:
-                    index = self._index[id(obj)] = len(self.shared)
-                    self.shared.append(obj)
+            if not isinstance(obj, torch.Tensor):
+                return None
+            index = self._index.get(id(obj))
+            if index is not None:
                 return index
-            return None
+            if _travels_shared(obj):
+                shared = obj
+            else:
+                shared = self._shared_copy(obj) if self.copy_large else None
+                if shared is None:
+                    return None
+            index = self._index[id(obj)] = len(self.shared)
+            self.shared.append(shared)
+            self._keep.append(obj)
+            return index
+
+        def _shared_copy(self, t):
+            if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad
+                    or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()):
+                return None
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes < LARGE_TENSOR:
+                return None
+            key = (storage.data_ptr(), nbytes)
+            copy = self._copies.get(key)
+            if copy is None:
+                if len(self._copies) >= MAX_SHM_COPIES or not _shm_has_room(nbytes):
+                    return None  # pickled by value instead: slower, never fails for lack of /dev/shm
+                copy = torch.UntypedStorage._new_shared(nbytes)
+                copy.copy_(storage)
+                self._copies[key] = copy
+            return torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(), t.stride())
 
     return SharedPickler
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    import shutil
+    try:
+        return shutil.disk_usage("/dev/shm").free > nbytes + (64 << 20)
+    except OSError:
+        return False
 
 
 class _SharedUnpickler(pickle.Unpickler):
@@ -630,28 +674,28 @@ class _SharedUnpickler(pickle.Unpickler):
         return self._shared[pid]
 
 
-def _dumps_shared(obj) -> tuple[bytes, list]:
+def _dumps_shared(obj, copy_large: bool = True) -> tuple[bytes, list]:
     buffer = io.BytesIO()
-    pickler = _pickler_class()(buffer)
+    pickler = _pickler_class()(buffer, copy_large)
     pickler.dump(obj)
     return buffer.getvalue(), pickler.shared
 
 
-def _pack_namespace(names: list[str], ns: dict, assigned: set) -> dict:
-    """Notebook values the cell reads, minus those that cannot travel and are rebound in the cell.
+def _pack(names: list[str], ns: dict, assigned: set, extra: dict) -> tuple[bytes, list]:
+    """Pickle the notebook values the cell reads, with ``extra``, for spawned workers.
 
-    Raises ``UsageError`` naming a value the cell needs that cannot be pickled.
+    A value that cannot be pickled is left out when the cell assigns it
+    itself; otherwise ``UsageError`` names it.
     """
     values = {n: ns[n] for n in names if n in ns and n not in _SHELL_NAMES}
     try:
-        _dumps_shared(values)
-        return values
+        return _dumps_shared({"namespace": values, **extra})
     except Exception:
         pass
     kept = {}
     for name, value in values.items():
         try:
-            _dumps_shared(value)
+            _dumps_shared(value, copy_large=False)
         except Exception as exc:
             if name in assigned:
                 continue  # the cell makes its own
@@ -659,7 +703,7 @@ def _pack_namespace(names: list[str], ns: dict, assigned: set) -> dict:
                 f"{name!r} ({type(value).__name__}) cannot be sent to spawned workers ({exc.__class__.__name__}: "
                 f"{exc}); create it inside the cell, or use --start-method fork") from None
         kept[name] = value
-    return kept
+    return _dumps_shared({"namespace": kept, **extra})
 
 
 class _FdHandle:
@@ -892,6 +936,14 @@ def _match_optimizer_devices(optimizer) -> None:
         optimizer.load_state_dict(optimizer.state_dict())  # casts state to each parameter's device
 
 
+def _private_state(optimizer) -> None:
+    """Copy an optimizer's state: CUDA tensors always arrive shared, the state must not."""
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                state[key] = value.clone()
+
+
 def _worker_main(rank: int, world: int, spec: _Spec, conn, parent_pid: int | None) -> None:
     workers.die_with_parent(parent_pid)
     try:
@@ -920,6 +972,8 @@ def _worker_main(rank: int, world: int, spec: _Spec, conn, parent_pid: int | Non
         for name in spec.optimizers:
             if isinstance(ns.get(name), torch.optim.Optimizer):
                 _match_optimizer_devices(ns[name])
+                if spec.device.startswith("cuda"):
+                    _private_state(ns[name])
         ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
         if spec.set_device_name:
             ns["device"] = torch.device(spec.device)
@@ -1220,7 +1274,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     for name, optimizer in optimizers.items():
         tensors = [v for s in optimizer.state.values() for v in s.values()
                    if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if tensors and all(_travels_shared(v) for v in tensors):
+        if tensors and not device_name.startswith("cuda") and all(_travels_shared(v) for v in tensors):
             notes.append(f"{name!r}: its state is in shared memory, so all workers update one state")
         else:
             notes.append(f"{name!r}: each worker steps its own copy ({type(optimizer).__name__}, state as in the "
@@ -1233,15 +1287,14 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     if method == "fork":
         spec.namespace, spec.code = ns, compiled.code
     else:
-        shipped = _pack_namespace(read, ns, set(names_assigned(compiled.tree)))
-        # Loaders travel without a running iterator (persistent workers cannot be pickled).
+        import copy
+        view = dict(ns)
         for name in loaders:
-            if name in shipped:
-                import copy
-                shipped[name] = copy.copy(shipped[name])
-                shipped[name]._iterator = None
-        data, shared = _dumps_shared({"namespace": shipped, "tree": compiled.tree,
-                                      "filename": compiled.filename, "sources": _cell_sources()})
+            # Loaders travel without a running iterator (persistent workers cannot be pickled).
+            view[name] = copy.copy(ns[name])
+            view[name]._iterator = None
+        data, shared = _pack(read, view, set(names_assigned(compiled.tree)),
+                             {"tree": compiled.tree, "filename": compiled.filename, "sources": _cell_sources()})
         blob_fd = _blob_fd(data)
         del data
         spec.blob, spec.shared = _FdHandle(blob_fd), shared
