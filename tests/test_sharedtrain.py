@@ -493,3 +493,25 @@ def test_history_and_summary_rendering():
     assert "2 workers (fork) on cpu trained 'net': 4 steps, 128 samples in 0.6 s; 320 samples/s" in view.text
     assert "loss rank 0: ▅▁  2 -> 1" in view.text and "loss rank 1: █  3 -> 3" in view.text and "  a note" in view.text
     assert "<svg" in view.html_text and view.html_text.count("<polyline") == 2
+
+
+def test_notebook_shows_live_progress_then_the_summary_in_one_display(shell):
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
+    shell.kernel = object()  # what an ipykernel shell has; the magic then displays HTML
+    try:
+        result, out, cap = run_cell(shell, """%%sharedtrain --nprocs 2 --start-method fork --model model
+import time
+for i in range(12):
+    report(loss=1.0 / (i + 1) + rank)
+    time.sleep(0.1)
+""")
+    finally:
+        del shell.kernel
+    assert result.error_in_exec is None, out
+    htmls = [o.data.get("text/html", "") for o in cap.outputs]
+    assert len(htmls) >= 2, "a live view, then the summary replacing it"
+    assert "<table>" in htmls[0] and ("starting" in htmls[0] or "running" in htmls[0])
+    # 12 reports per worker count as its steps when the cell reads no notebook loader.
+    assert "trained &#x27;model&#x27;: 24 steps" in htmls[-1] and "rank 1" in htmls[-1]
+    assert "<svg" in htmls[-1] and htmls[-1].count("<polyline") == 2
+    assert "sharedtrain: " not in out  # no text summary printed besides the display

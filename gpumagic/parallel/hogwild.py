@@ -93,7 +93,11 @@ _SHELL_NAMES = {"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"}
 
 @dataclass
 class WorkerStats:
-    """What one worker did: batches taken, samples, timing (seconds from cell start)."""
+    """What one worker did: steps, samples, timing (seconds from cell start).
+
+    ``steps`` counts batches taken from the notebook's loaders, or ``report()``
+    calls when the cell reads no notebook loader (then ``samples`` is 0).
+    """
     rank: int
     pid: int | None = None
     steps: int = 0
@@ -797,7 +801,8 @@ class _Channel:
         now = time.monotonic() if now is None else now
         self.last_flush = now
         entries, self.buffer = self.buffer, []
-        self.send(("tick", self.rank, (self.steps, self.samples, self.first, now - self.t0, entries)))
+        steps = self.steps if self.counting else self.reports
+        self.send(("tick", self.rank, (steps, self.samples, self.first, now - self.t0, entries)))
 
     def send(self, message) -> None:
         if self.broken:
@@ -1084,11 +1089,16 @@ def _start_worker(ctx, method: str, rank: int, world: int, spec: _Spec):
     parent = os.getpid() if method in ("fork", "spawn") else None
     process = ctx.Process(target=_worker_main, args=(rank, world, spec, send, parent),
                           name=f"sharedtrain-{rank}", daemon=False)
-    with warnings.catch_warnings(), _bare_main(method):
-        # Python 3.12+ warns on fork with threads; the start method chose fork knowing which run.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        process.start()
-    send.close()
+    try:
+        with warnings.catch_warnings(), _bare_main(method):
+            # Python 3.12+ warns on fork with threads; the start method chose fork knowing which run.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            process.start()
+    except BaseException:
+        recv.close()
+        raise
+    finally:
+        send.close()
     return process, recv
 
 
