@@ -90,8 +90,8 @@ def _children() -> set:
     out = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
+            if child.status() == psutil.STATUS_ZOMBIE or child.name().startswith("torch_shm_manag"):
+                continue  # torch's own shared-memory daemon (file_system strategy, CUDA IPC) is not a worker
             out.add(child.pid)
         except psutil.Error:
             continue

@@ -55,7 +55,7 @@ def _children() -> set:
     out = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() == psutil.STATUS_ZOMBIE or "torch_shm_manager" in child.name():
+            if child.status() == psutil.STATUS_ZOMBIE or child.name().startswith("torch_shm_manag"):
                 continue
             out.add(child.pid)
         except psutil.Error:
