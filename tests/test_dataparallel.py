@@ -33,6 +33,7 @@ from gpumagic.parallel.dp import ModelCallRewriter
 from tests.conftest import ROOT, run_cell
 
 CPU2 = "--devices cpu --nprocs 2"
+pytestmark = pytest.mark.filterwarnings("ignore:the cell reads no DataLoader")
 
 SETUP = """
 import torch
@@ -168,9 +169,71 @@ def test_used_names_follow_notebook_functions():
     assert used_names(ast.parse("step()"), ns) == ["step", "model", "x"]
 
 
+def test_free_reads_skip_names_the_cell_binds_first():
+    from gpumagic.parallel.ddp import free_reads
+    src = ("it = iter(loader)\n"
+           "for i in range(n):\n"
+           "    if i == 2:\n"
+           "        t0 = clock()\n"
+           "    x, y = next(it)\n"
+           "    out = model(x)\n"
+           "    seen.append(t0)\n"
+           "total += 1\n")
+    assert free_reads(ast.parse(src)) == ["iter", "loader", "range", "n", "clock", "next", "model", "seen",
+                                          "t0", "total"]
+
+
 def test_model_calls_rewritten_for_dp():
     tree = ModelCallRewriter({"model"}).visit(ast.parse("y = model(x, k=1)\nz = other(x)\nm = model.fc(x)"))
     assert ast.unparse(tree) == "y = __gpumagic_dp__(model, x, k=1)\nz = other(x)\nm = model.fc(x)"
+
+
+def test_ship_round_trip_keeps_identity_devices_and_attributes():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    m[0].weight.tag = "kept"
+    obj = {"m": m, "opt": opt, "dev": torch.device("cuda:1"), "t": torch.arange(6).view(2, 3).t()}
+    packed = ship.pack(obj)
+    back, tensors = ship.unpack(packed.header, packed.buffer, device="cpu")
+    assert back["dev"] == torch.device("cpu")          # a CUDA device means the rank's device
+    assert torch.equal(back["t"], obj["t"]) and back["m"][0].weight.tag == "kept"
+    assert back["opt"].param_groups[0]["params"][0] is back["m"][0].weight   # shared objects stay shared
+    assert torch.equal(back["opt"].state[back["m"][0].weight]["momentum_buffer"],
+                       opt.state[m[0].weight]["momentum_buffer"])
+    assert back["m"][0].weight.requires_grad and isinstance(back["m"][0].weight, torch.nn.Parameter)
+
+
+def test_ship_cache_is_keyed_by_content():
+    big = torch.randn(300_000)                      # 1.2 MB: fingerprinted
+    store = ship.TensorStore()
+    first = ship.pack({"a": big, "b": big.clone()})
+    _, tensors = ship.unpack(first.header, first.buffer, store=store)
+    held = store.rebuild(tensors)
+    assert len(held) == 1                           # equal contents, one key
+    again = ship.pack({"a": big, "b": big.clone()}, held=held)
+    assert again.shipped_bytes == 0 and again.cached_bytes == 2 * big.numel() * 4
+    back, _ = ship.unpack(again.header, again.buffer, store=store)
+    assert torch.equal(back["a"], big) and back["a"].data_ptr() != back["b"].data_ptr()  # no aliasing
+    big[17] += 1.0                                  # any change: shipped again
+    assert ship.pack({"a": big}, held=held).cached_bytes == 0
+    swapped = big.clone().view(-1, 1000).flip(0).reshape(-1)  # same values, other places
+    assert ship.fingerprint_keys([swapped]) != ship.fingerprint_keys([big])
+
+
+def test_progress_prints_per_rank_lines_in_a_terminal():
+    import io
+    from gpumagic.parallel.progress import Progress
+    out = io.StringIO()
+    progress = Progress(["cpu", "cpu"], shell=None, after=0.0, every=10.0, stream=out)
+    progress.update(0, {"steps": 10, "samples": 160, "seconds": 2.0})
+    progress.update(1, {"steps": 10, "samples": 160, "seconds": 2.0})
+    progress.tick()
+    progress.tick()                                 # not again before `every` seconds
+    assert out.getvalue().count("\n") == 1
+    assert "rank 0: 10 steps, 80 samples/s" in out.getvalue() and "rank 1: 10 steps" in out.getvalue()
+    assert "80" in progress.render().text and "<table>" in progress.render().html_text
 
 
 # ---------------------------------------------------------------- the flagship path, for real
@@ -213,7 +276,8 @@ def test_shuffled_loader_and_notebook_function(shell):
 
 def test_pool_is_reused_and_output_streams(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "n = float(model(X).sum())\n")
+    with pytest.warns(UserWarning, match="reads no DataLoader: every rank sees the same data"):
+        _cell(shell, CPU2, "n = float(model(X).sum())\n")
     pool = _pool()
     pids = list(pool.pids)
     value, cap = _cell(shell, CPU2, """

@@ -96,8 +96,9 @@ class RemoteRepr:
 # ====================================================================== kernel side
 
 def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
-    """Names the cell reads, plus the globals of notebook functions it calls (``train(...)``)."""
-    found: dict[str, None] = dict.fromkeys(names_read(tree))
+    """Notebook names the cell reads (see :func:`free_reads`), plus the globals of the
+    notebook functions it calls (``train(...)``), transitively."""
+    found: dict[str, None] = dict.fromkeys(free_reads(tree))
     frontier = list(found)
     seen_code: set = set()
     for _ in range(depth):
@@ -132,6 +133,121 @@ def _global_names(code):
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _global_names(const)
+
+
+def free_reads(tree: ast.AST) -> list[str]:
+    """Names the cell may read before binding them itself: the notebook values it needs.
+
+    ``it = iter(loader)`` or ``x, y = batch`` inside the loop bind before they
+    read, so the notebook's old ``it``, ``x``, ``y`` are not shipped (an old
+    iterator would not even pickle; old batches would cost memory and time).
+    Bindings inside ``if``/``for``/``while``/``try`` count only inside them,
+    since they may not run; functions and lambdas count all their reads.
+    """
+    reads: dict[str, None] = {}
+    _block(getattr(tree, "body", []), set(), reads)
+    return list(reads)
+
+
+def _expr_reads(node, bound: set, reads: dict, local: frozenset = frozenset()) -> None:
+    if node is None:
+        return
+    if isinstance(node, ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id not in bound and node.id not in local:
+            reads.setdefault(node.id, None)
+        return
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+        targets = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        inner = local | targets
+        for g in node.generators:
+            _expr_reads(g.iter, bound, reads, inner)
+            for cond in g.ifs:
+                _expr_reads(cond, bound, reads, inner)
+        for part in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+            _expr_reads(part, bound, reads, inner)
+        return
+    if isinstance(node, ast.Lambda):
+        args = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            _expr_reads(d, bound, reads, local)
+        _expr_reads(node.body, bound, reads, local | args)
+        return
+    for child in ast.iter_child_nodes(node):
+        _expr_reads(child, bound, reads, local)
+
+
+def _store_names(node) -> set:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _block(stmts, bound: set, reads: dict) -> None:
+    """Walk statements in execution order; ``bound`` grows with what is surely bound."""
+    for st in stmts:
+        if isinstance(st, ast.Assign):
+            _expr_reads(st.value, bound, reads)
+            for t in st.targets:
+                _expr_reads(t, bound, reads)          # subscripts/attributes read their base
+                bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(st, ast.AnnAssign):
+            _expr_reads(st.value, bound, reads)
+            if st.value is not None and isinstance(st.target, ast.Name):
+                bound.add(st.target.id)
+            elif not isinstance(st.target, ast.Name):
+                _expr_reads(st.target, bound, reads)
+        elif isinstance(st, ast.AugAssign):
+            _expr_reads(st.value, bound, reads)
+            if isinstance(st.target, ast.Name):
+                if st.target.id not in bound:
+                    reads.setdefault(st.target.id, None)
+            else:
+                _expr_reads(st.target, bound, reads)
+        elif isinstance(st, (ast.For, ast.AsyncFor)):
+            _expr_reads(st.iter, bound, reads)
+            _block(st.body, bound | _store_names(st.target), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, ast.While):
+            _expr_reads(st.test, bound, reads)
+            _block(st.body, set(bound), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, ast.If):
+            _expr_reads(st.test, bound, reads)
+            _block(st.body, set(bound), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, (ast.With, ast.AsyncWith)):
+            for item in st.items:
+                _expr_reads(item.context_expr, bound, reads)
+                if item.optional_vars is not None:
+                    bound |= _store_names(item.optional_vars)
+            _block(st.body, bound, reads)               # a with-body always starts
+        elif isinstance(st, ast.Try) or type(st).__name__ == "TryStar":
+            _block(st.body, set(bound), reads)
+            for h in st.handlers:
+                _expr_reads(h.type, bound, reads)
+                _block(h.body, bound | ({h.name} if h.name else set()), reads)
+            _block(st.orelse, set(bound), reads)
+            _block(st.finalbody, set(bound), reads)
+        elif isinstance(st, (ast.Import, ast.ImportFrom)):
+            for alias in st.names:
+                if alias.name != "*":
+                    bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            # Reads inside may happen at any later call: count them all (minus the function's own names).
+            own = {a.arg for a in ast.walk(st) if isinstance(a, ast.arg)} | _store_names(st)
+            for node in ast.walk(st):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                        and node.id not in bound and node.id not in own:
+                    reads.setdefault(node.id, None)
+            bound.add(st.name)
+        elif isinstance(st, (ast.Global, ast.Nonlocal)):
+            continue
+        elif type(st).__name__ == "Match":
+            _expr_reads(st.subject, bound, reads)
+            for case in st.cases:
+                for node in ast.walk(case):
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                        reads.setdefault(node.id, None)
+        else:
+            _expr_reads(st, bound, reads)
 
 
 def _loop_targets(tree: ast.AST) -> list[str]:

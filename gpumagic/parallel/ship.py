@@ -32,9 +32,12 @@ Where tensors land on the worker (``target``):
 """
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
+import sys
 import threading
+import types
 from dataclasses import dataclass, field
 
 import cloudpickle
@@ -108,19 +111,33 @@ _COLS = 1021   # a prime: rows of this many 8-byte words get one weight each, co
 def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim int64 tensor on ``t``'s device: a position-weighted sum of ``t``'s bits.
 
-    Integer arithmetic wraps identically on every device and in any summation
-    order, so CPU and GPU agree on the value.
+    The bytes are read as a matrix of 8-byte words, ``_COLS`` to a row; each
+    column and each row has its own odd weight. Integer arithmetic wraps
+    identically on every device and in any summation order, so CPU and GPU
+    agree on the value; on the CPU ``mv`` makes it one pass over memory.
     """
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.storage_offset() % 8:
+        b = b.clone()
     n = b.numel()
-    pad = (-n) % (8 * _COLS)
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
-    x = b.view(torch.int64).view(-1, _COLS)
-    cols = torch.arange(_COLS, device=b.device, dtype=torch.int64) * 2 + 1
-    rows = (x * cols).sum(1)
-    weights = torch.arange(rows.numel(), device=b.device, dtype=torch.int64) * 2654435761 + 97
-    return (rows * weights).sum() + n
+    row_bytes = 8 * _COLS
+    full = n // row_bytes * row_bytes
+    device = b.device
+    cols = torch.arange(_COLS, device=device, dtype=torch.int64) * 2 + 1
+    parts = []
+    if full:
+        parts.append(b[:full].view(torch.int64).view(-1, _COLS))
+    if n > full:
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
+        tail[: n - full] = b[full:]
+        parts.append(tail.view(torch.int64).view(1, _COLS))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    cpu = device.type == "cpu"
+    rows = torch.cat([torch.mv(x, cols) if cpu else (x * cols).sum(1) for x in parts])
+    weights = torch.arange(rows.numel(), device=device, dtype=torch.int64) * 2654435761 + 97
+    total = torch.dot(rows, weights) if cpu else (rows * weights).sum()
+    return total + n
 
 
 def fingerprint_keys(tensors: list[torch.Tensor]) -> list[tuple]:
@@ -166,6 +183,11 @@ class _Pickler(cloudpickle.Pickler):
                 return _identity, (obj.detach().cpu(),)
         elif isinstance(obj, torch.device) and obj.type == "cuda":
             return _rank_device, ()
+        elif isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
+                and sys.modules.get(obj.__name__) is obj:
+            # Module subclasses (torch.classes, torch.ops) miss cloudpickle's by-type table;
+            # a function using ``self.classes`` next to ``torch`` makes it pickle torch.classes.
+            return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
 
 

@@ -1,0 +1,224 @@
+"""%%dataparallel on two GPUs: NCCL, DistributedDataParallel, weights back where the notebook keeps them.
+
+Run on the GPU machine: ``pytest -m gpu tests/test_dataparallel_gpu.py``.
+"""
+from __future__ import annotations
+
+import _thread
+import copy
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from IPython.utils.capture import capture_output
+
+from gpumagic import pool as poolmod
+from gpumagic.errors import WorkerError
+from gpumagic.parallel import POOL_NAME
+from gpumagic.parallel.ddp import last_result
+from tests.conftest import run_cell
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
+
+SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(32, 64)
+        self.out = nn.Linear(64, 4)
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(x)))
+
+torch.manual_seed(0)
+device = torch.device("cuda")               # the cell's data goes to "the GPU": each rank's own
+model = Net().to("{where}")
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+X = torch.randn(256, 32)
+Y = torch.randn(256, 4)
+loader = DataLoader(TensorDataset(X, Y), batch_size=64)
+"""
+
+TRAIN = """
+for epoch in range(2):
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+final_loss = loss.item()
+"""
+
+
+def _pool():
+    return poolmod.current_pool(POOL_NAME)
+
+
+def _alive(pid) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_dead(pids, timeout=5.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _reference(ns):
+    """The same training in this process on cuda:0, on the full batches."""
+    model = copy.deepcopy(ns["model"]).to("cuda:0")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        for x, y in ns["loader"]:
+            x, y = x.to("cuda:0"), y.to("cuda:0")
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    return model
+
+
+def _cell(shell, line, body):
+    with capture_output() as cap:
+        value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
+    return value, cap
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pool_after_module():
+    yield
+    poolmod.stop_pool(POOL_NAME)
+
+
+@pytest.mark.parametrize("where", ["cuda:1", "cpu"])
+def test_two_gpus_train_and_weights_come_back_where_the_model_lives(shell, where):
+    run_cell(shell, SETUP.format(where=where))
+    ns = shell.user_ns
+    model, opt = ns["model"], ns["opt"]
+    ref = _reference(ns)
+    _cell(shell, "--nprocs 2", TRAIN)
+    result = last_result()
+    assert result.devices == ["cuda:0", "cuda:1"] and result.backend == "nccl"
+    assert ns["model"] is model and ns["opt"] is opt
+    assert {str(p.device) for p in model.parameters()} == {where}
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p.cpu(), ref.state_dict()[name].cpu(), atol=1e-4, rtol=1e-4)
+    assert {str(s["momentum_buffer"].device) for s in opt.state.values()} == {where}
+    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert isinstance(ns["final_loss"], float)
+
+
+def test_cuda_spellings_in_the_cell_mean_each_rank_own_gpu(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    value, cap = _cell(shell, "--nprocs 2 --all-output", """
+        a = torch.zeros(1, device='cuda:0')
+        b = torch.ones(1).cuda()
+        c = torch.ones(1).to(device)
+        print('devices', a.device, b.device, c.device, next(model.parameters()).device)
+        model(X[:4].cuda()).shape[0]
+    """)
+    assert "[rank 0] devices cuda:0 cuda:0 cuda:0 cuda:0" in cap.stdout
+    assert "[rank 1] devices cuda:1 cuda:1 cuda:1 cuda:1" in cap.stdout
+    assert value == 4
+
+
+def test_second_cell_reuses_workers_and_keeps_weights_on_gpu(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    _cell(shell, "--nprocs 2", TRAIN)
+    pids = list(_pool().pids)
+    _cell(shell, "--nprocs 2", TRAIN)
+    result = last_result()
+    assert _pool().pids == pids and not result.pool_started
+    assert result.timings["start"] < 5.0 and result.timings["return"] < 5.0
+
+
+def test_rank1_error_while_rank0_waits_in_nccl(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    ns = shell.user_ns
+    before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
+    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    pids = list(_pool().pids)
+    src = ("%%dataparallel --nprocs 2\n"
+           "import torch.distributed as dist\n"
+           "out = model(X[:8].cuda()).sum()\n"
+           "if dist.get_rank() == 1:\n"
+           "    raise RuntimeError('rank one fails on the GPU')\n"
+           "t = torch.ones(1, device='cuda')\n"
+           "dist.all_reduce(t)\n")
+    t0 = time.monotonic()
+    result, _, _ = run_cell(shell, src)
+    err = result.error_in_exec
+    assert isinstance(err, WorkerError) and err.rank == 1 and err.pid == pids[1]
+    assert "line 5" in err.remote_traceback
+    assert _wait_dead(pids) == [] and time.monotonic() - t0 < 15
+    for k, v in ns["model"].state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_interrupt_kills_ranks_in_nccl_collectives(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    pids = list(_pool().pids)
+    body = ("import torch.distributed as dist\n"
+            "out = model(X[:2].cuda())\n"
+            "t = torch.ones(1 << 20, device='cuda')\n"
+            "for i in range(10 ** 7):\n"
+            "    dist.all_reduce(t)\n")
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        shell.run_cell_magic("dataparallel", "--nprocs 2", body)
+    timer.cancel()
+    assert time.monotonic() - t0 - 3.0 < 5.0
+    assert _wait_dead(pids) == []
+    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    assert isinstance(shell.user_ns["w"], float) and _pool().pids != pids
+
+
+def test_dp_strategy_splits_calls_and_warns(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    run_cell(shell, "bn = nn.Sequential(nn.Linear(32, 8), nn.BatchNorm1d(8)).cuda()\n"
+                    "class Summed(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__()\n"
+                    "        self.lin = nn.Linear(32, 1)\n"
+                    "    def forward(self, x):\n"
+                    "        return self.lin(x).sum()\n"
+                    "summed = Summed().cuda()\n"
+                    "xb = torch.randn(16, 32, device='cuda:0')\n")
+    ns = shell.user_ns
+    expected = ns["model"](ns["xb"])
+    value, _ = _cell(shell, "--strategy dp", "out = model(xb)\nout")
+    assert value.device == torch.device("cuda:0") and value.shape == (16, 4)
+    torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
+    with pytest.warns(UserWarning, match="BatchNorm"):
+        _cell(shell, "--strategy dp --model bn", "o = bn(xb)\n")
+    with pytest.warns(UserWarning, match="smaller than the 2 devices"):
+        _cell(shell, "--strategy dp", "o = model(xb[:1])\n")
+    with pytest.warns(UserWarning, match="returns a scalar"):
+        value, _ = _cell(shell, "--strategy dp", "summed(xb)\n")
+    assert value.shape == (2,)   # one per device, as nn.DataParallel gathers them
+    torch.testing.assert_close(value.sum(), ns["summed"](ns["xb"]), atol=1e-4, rtol=1e-4)
+
+
+def test_status_names_the_gpus(shell):
+    run_cell(shell, SETUP.format(where="cuda:0"))
+    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "status")
+    assert "nccl" in cap.stdout and "cuda:1" in cap.stdout
+    for pid in _pool().pids:
+        assert str(pid) in cap.stdout
