@@ -941,6 +941,31 @@ def _match_optimizer_devices(optimizer) -> None:
         optimizer.load_state_dict(optimizer.state_dict())  # casts state to each parameter's device
 
 
+def _detach_display() -> None:
+    """In a forked worker, ``display()`` prints (forwarded) instead of using the kernel's sockets.
+
+    The kernel's ZeroMQ sockets are not fork-safe: a child sending on them
+    could corrupt the notebook's output channel.
+    """
+    module = sys.modules.get("IPython.core.interactiveshell")
+    if module is None or not module.InteractiveShell.initialized():
+        return
+    publisher = getattr(module.InteractiveShell.instance(), "display_pub", None)
+    if publisher is None:
+        return
+
+    def publish(data, metadata=None, *args, **kwargs):
+        text = data.get("text/plain") if isinstance(data, dict) else None
+        if text:
+            print(text)
+
+    try:
+        publisher.publish = publish
+        publisher.clear_output = lambda *args, **kwargs: None
+    except Exception:
+        pass
+
+
 def _private_state(optimizer) -> None:
     """Copy an optimizer's state: CUDA tensors always arrive shared, the state must not."""
     for state in optimizer.state.values():
@@ -967,6 +992,7 @@ def _worker_main(rank: int, world: int, spec: _Spec, conn, parent_pid: int | Non
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(spec.device))
         if spec.method == "fork":
+            _detach_display()
             ns, code = spec.namespace, spec.code
         else:
             ns, code = _load_spawned(spec)
