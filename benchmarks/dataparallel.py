@@ -214,6 +214,8 @@ def hand_ddp_worker(rank, world, kind, quick, port, warmup, steps, result_path):
     if cuda:
         torch.cuda.set_device(rank)
         torch.backends.cudnn.benchmark = True
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # as the pool's CPU workers do
     dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
     gbatch, shape, classes = shapes(kind, quick)
@@ -347,9 +349,22 @@ def main(argv=None) -> None:
     rows, overheads = [], []
     t_start = time.perf_counter()
     first_cell = True
+
+    def attempt(results, column, fn):
+        """One column; a failure becomes a row saying so, and the run goes on."""
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not stop
+            import traceback
+            traceback.print_exc()
+            out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+        results.append((column, out))
+        return out
+
     for kind in kinds:
         gbatch = shapes(kind, quick)[0]
         name = {"resnet50": "ResNet-50", "mlp": "MLP", "transformer": "Transformer"}[kind]
+        results: list = []
         # 1 GPU: also tells how many steps fill the timed window.
         probe = in_process(kind, quick, device, gbatch, warmup=5, steps=10**9, seconds=seconds / 4, chunk=2)
         rate = probe["steps"] / probe["elapsed"]
@@ -358,47 +373,66 @@ def main(argv=None) -> None:
         if quick:
             steps = min(steps, 40)   # gloo on a small CPU is far slower than one process: keep it short
         chunk = max(1, round(rate * 0.25))
-        one = in_process(kind, quick, device, gbatch, warmup, steps=10**9, seconds=seconds, chunk=chunk)
-        base = one["samples_per_s"]
-        results = [("1 GPU" if not quick else "1 process", one)]
+        one = attempt(results, "1 GPU" if not quick else "1 process",
+                      lambda: in_process(kind, quick, device, gbatch, warmup, 10**9, seconds, chunk))
+        base = one.get("samples_per_s")
         if not quick:
-            half = in_process(kind, quick, device, gbatch // 2, warmup, steps=10**9, seconds=seconds, chunk=chunk)
-            results.append(("1 GPU, B/2 (x2 = DDP ceiling)", {**half, "samples_per_s": 2 * half["samples_per_s"]}))
-            dp = in_process(kind, quick, device, gbatch, warmup, steps=10**9, seconds=seconds, chunk=chunk,
-                            wrap=lambda m: torch.nn.DataParallel(m, device_ids=[0, 1]))
-            results.append(("nn.DataParallel", dp))
-        results.append(("DDP (hand-written)", hand_ddp(kind, quick, world, warmup, steps)))
+            def half():
+                r = in_process(kind, quick, device, gbatch // 2, warmup, 10**9, seconds, chunk)
+                return {**r, "samples_per_s": 2 * r["samples_per_s"]}
+            attempt(results, "1 GPU, B/2 (x2 = DDP ceiling)", half)
+            attempt(results, "nn.DataParallel",
+                    lambda: in_process(kind, quick, device, gbatch, warmup, 10**9, seconds, chunk,
+                                       wrap=lambda m: torch.nn.DataParallel(m, device_ids=[0, 1])))
+        attempt(results, "DDP (hand-written)", lambda: hand_ddp(kind, quick, world, warmup, steps))
 
-        notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
-        ours = magic_cell(shell, ddp_line, fixed_loop())
-        ours["samples_per_s"] = ours["steps"] * gbatch / ours["elapsed"]
-        results.append(("%%dataparallel", ours))
-        t = last_result().timings
-        if first_cell:
+        def ours():
+            notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+            r = magic_cell(shell, ddp_line, fixed_loop())
+            r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+            r["timings"] = last_result().timings
+            return r
+        r = attempt(results, "%%dataparallel", ours)
+        if first_cell and "timings" in r:
+            t = r["timings"]
             overheads.append([name, "first cell: pool start", f"{t['pool_start']:.2f} s"])
             overheads.append([name, "first cell: ship model + start ranks", f"{t['start']:.2f} s"])
             overheads.append([name, "first cell: weight return", f"{t['return']:.2f} s"])
             first_cell = False
         if kind == "resnet50" or (quick and kind == kinds[0]):
-            notebook_setup(shell, kind, quick, device, 8 * gbatch, 3, 5, seconds, chunk)
-            magic_cell(shell, ddp_line, fixed_loop())            # a first short cell: the workers now hold the model
-            magic_cell(shell, ddp_line, fixed_loop())            # the cell measured
-            t = last_result().timings
-            res = last_result()
-            overheads.append([name, "later cell: start (pool reused)", f"{t['start']:.3f} s"])
-            overheads.append([name, "later cell: weight + optimizer return", f"{t['return']:.3f} s"])
-            overheads.append([name, "later cell: bytes shipped / kept in workers",
-                              f"{res.shipped_bytes / 2**20:.1f} MiB / {res.cached_bytes / 2**20:.1f} MiB"])
-            overheads.append([name, "later cell: bytes returned", f"{res.returned_bytes / 2**20:.1f} MiB"])
+            def later():
+                notebook_setup(shell, kind, quick, device, 8 * gbatch, 3, 5, seconds, chunk)
+                magic_cell(shell, ddp_line, fixed_loop())    # a first short cell: the workers now hold the model
+                magic_cell(shell, ddp_line, fixed_loop())    # the cell measured
+                res = last_result()
+                t = res.timings
+                overheads.append([name, "later cell: start (pool reused)", f"{t['start']:.3f} s"])
+                overheads.append([name, "later cell: weight + optimizer return", f"{t['return']:.3f} s"])
+                overheads.append([name, "later cell: tensor bytes shipped / kept in workers",
+                                  f"{res.shipped_bytes / 2**20:.1f} MiB / {res.cached_bytes / 2**20:.1f} MiB"])
+                overheads.append([name, "later cell: bytes returned", f"{res.returned_bytes / 2**20:.1f} MiB"])
+                return {}
+            try:
+                later()
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+                overheads.append([name, "later cell", f"error: {type(exc).__name__}: {exc}"[:160]])
 
-        notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)
-        with_dp = magic_cell(shell, dp_line, bounded_loop())
-        with_dp["samples_per_s"] = with_dp["steps"] * gbatch / with_dp["elapsed"]
-        results.append(("%%dataparallel --strategy dp", with_dp))
+        def with_dp():
+            notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)
+            r = magic_cell(shell, dp_line, bounded_loop())
+            r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+            return r
+        attempt(results, "%%dataparallel --strategy dp", with_dp)
         for column, r in results:
+            if "error" in r:
+                rows.append([name, str(gbatch), column, "error", r["error"], "-"])
+                continue
             rows.append([name, str(gbatch if "B/2" not in column else gbatch // 2), column,
-                         fmt_rate(r["samples_per_s"]), f"{r['samples_per_s'] / base:.2f}x", str(r["steps"])])
-        shell.run_cell("del model, opt, loader", silent=True)
+                         fmt_rate(r["samples_per_s"]),
+                         f"{r['samples_per_s'] / base:.2f}x" if base else "n/a", str(r["steps"])])
+        shell.run_cell("for _n in ('model', 'opt', 'loader'):\n    globals().pop(_n, None)", silent=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(text_table([r for r in rows if r[0] == name], header), flush=True)

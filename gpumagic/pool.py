@@ -703,7 +703,9 @@ def _bind_to_gpu_cpus(index: int) -> None:
         cpus = {w * 64 + b for w, bits in enumerate(mask) for b in range(64) if bits >> b & 1}
         allowed = os.sched_getaffinity(0)
         mine = cpus & allowed
-        if mine and mine != allowed:
+        # Only a plausible NUMA share: a virtual machine may report a mask that means nothing.
+        enough = max(4, len(allowed) // (2 * max(1, len(gpus))))
+        if len(mine) >= enough and mine != allowed:
             os.sched_setaffinity(0, mine)
     except Exception:
         pass
