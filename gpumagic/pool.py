@@ -57,6 +57,13 @@ class RankInfo:
     process: object = None
     conn: object = None
     info: dict = field(default_factory=dict)
+    remote: bool = False        # joined from another machine (no process handle here)
+
+    @property
+    def alive(self) -> bool:
+        if self.remote:
+            return self.conn is not None and not self.conn.closed
+        return self.process is not None and self.process.is_alive()
 
 
 # ============================================================== kernel side
@@ -72,8 +79,10 @@ class WorkerPool:
 
     def __init__(self, devices, backend: str | None = "gloo", *, timeout: float = 1800.0,
                  name: str = "pool", env: dict | None = None, master_addr: str = LOOPBACK,
-                 master_port: int = 0, start_timeout: float = 180.0):
-        self.devices = [str(d) for d in devices]
+                 master_port: int = 0, start_timeout: float = 180.0, remote: int = 0):
+        self.devices = [str(d) for d in devices] + ["remote"] * int(remote)
+        self.local = len(self.devices) - int(remote)
+        self.remote = int(remote)
         if not self.devices:
             raise ValueError("a pool needs at least one device")
         self.backend = backend
@@ -83,7 +92,7 @@ class WorkerPool:
         self.master_addr = master_addr
         self.master_port = master_port
         self.start_timeout = start_timeout
-        self.ranks = [RankInfo(r, d) for r, d in enumerate(self.devices)]
+        self.ranks = [RankInfo(r, d, remote=r >= self.local) for r, d in enumerate(self.devices)]
         self.started_at: float | None = None
         self.start_seconds: float | None = None
         self.tasks_run = 0
@@ -101,7 +110,7 @@ class WorkerPool:
 
     @property
     def key(self) -> tuple:
-        return (tuple(self.devices), self.backend, self.master_addr)
+        return (tuple(self.devices[: self.local]), self.backend, self.master_addr, self.remote)
 
     @property
     def pids(self) -> list:
@@ -109,8 +118,7 @@ class WorkerPool:
 
     @property
     def alive(self) -> bool:
-        return self.state == "running" and all(
-            r.process is not None and r.process.is_alive() for r in self.ranks)
+        return self.state == "running" and all(r.alive for r in self.ranks)
 
     def start(self) -> "WorkerPool":
         """Start every worker and wait until all have joined the process group."""
@@ -126,7 +134,9 @@ class WorkerPool:
         try:
             with _plain_main():
                 self._spawn(ctx, port)
-            self._wait_ready(t0 + self.start_timeout)
+            if self.remote:
+                self._accept_remote(port, t0 + max(self.start_timeout, 600.0))
+            self._wait_ready(t0 + self.start_timeout + (600.0 if self.remote else 0.0))
         except BaseException:
             self.kill()
             raise
@@ -134,15 +144,33 @@ class WorkerPool:
         self.start_seconds = time.monotonic() - t0
         return self
 
+    def _config(self, rank: int, device: str, port) -> dict:
+        return {
+            "rank": rank, "world_size": self.world_size, "device": device,
+            "backend": self.backend, "addr": self.master_addr, "port": port,
+            "timeout": self.timeout, "env": self._worker_env(), "parent_pid": os.getpid(),
+            "threads": self._cpu_threads(),
+        }
+
+    def _accept_remote(self, port, deadline: float) -> None:
+        """Take ``remote`` workers that connect to the session listener (``python -m gpumagic.pool join``)."""
+        listener = session_listener(self.master_addr)
+        from .display import note
+        note(f"%%dataparallel: waiting for {self.remote} rank(s) from other machines; on each, run:\n  "
+             + listener.command(self.remote))
+        for r in self.ranks[self.local:]:
+            conn, hello = listener.accept(deadline)
+            r.conn, r.pid = conn, hello.get("pid")
+            r.device = self.devices[r.rank] = f"{hello.get('host', '?')}:{hello.get('device', '?')}"
+            config = self._config(r.rank, hello.get("device", "cpu"), port)
+            config["env"] = dict(self.env)   # their own interfaces, not our loopback
+            config["threads"] = None
+            conn.send(("config", config))
+
     def _spawn(self, ctx, port) -> None:
-        for r in self.ranks:
+        for r in self.ranks[: self.local]:
             parent, child = ctx.Pipe(duplex=True)
-            config = {
-                "rank": r.rank, "world_size": self.world_size, "device": r.device,
-                "backend": self.backend, "addr": self.master_addr, "port": port,
-                "timeout": self.timeout, "env": self._worker_env(), "parent_pid": os.getpid(),
-                "threads": self._cpu_threads(),
-            }
+            config = self._config(r.rank, r.device, port)
             p = ctx.Process(target=_worker_main, args=(child, config), daemon=False,
                             name=f"gpumagic-{self.name}-rank{r.rank}")
             p.start()
@@ -191,11 +219,12 @@ class WorkerPool:
             for rank in pending:
                 r = self.ranks[rank]
                 waitables[r.conn] = rank
-                waitables[r.process.sentinel] = rank
+                if r.process is not None:
+                    waitables[r.process.sentinel] = rank
             for ready in mpc.wait(list(waitables), timeout=min(left, 0.5)):
                 rank = waitables[ready]
                 r = self.ranks[rank]
-                if ready is r.process.sentinel and not r.conn.poll():
+                if r.process is not None and ready is r.process.sentinel and not r.conn.poll():
                     raise PoolDied(rank, r.pid, "WorkerDied",
                                    f"exited with code {r.process.exitcode} while starting")
                 try:
@@ -216,7 +245,7 @@ class WorkerPool:
             return
         for r in self.ranks:
             try:
-                if r.conn is not None and r.process is not None and r.process.is_alive():
+                if r.conn is not None and r.alive:
                     r.conn.send(("stop",))
             except Exception:
                 pass
@@ -233,6 +262,11 @@ class WorkerPool:
     def _reap(self, state: str, force: bool = False) -> None:
         procs = [r.process for r in self.ranks if r.process is not None]
         for r in self.ranks:
+            if r.remote and force and r.conn is not None:
+                try:
+                    r.conn.send(("kill",))   # their watchdog ends them, even inside a collective
+                except Exception:
+                    pass
             p = r.process
             if p is None or p.exitcode is not None and not force:
                 continue
@@ -316,11 +350,12 @@ class WorkerPool:
             for rank in pending:
                 r = self.ranks[rank]
                 waitables[r.conn] = rank
-                waitables[r.process.sentinel] = rank
+                if r.process is not None:
+                    waitables[r.process.sentinel] = rank
             for ready in mpc.wait(list(waitables), timeout=0.1):
                 rank = waitables[ready]
                 r = self.ranks[rank]
-                if ready is r.process.sentinel:
+                if r.process is not None and ready is r.process.sentinel:
                     if r.conn.poll():
                         continue  # read what it said before dying first
                     code = r.process.exitcode
@@ -333,7 +368,17 @@ class WorkerPool:
                 try:
                     msg = r.conn.recv()
                 except (EOFError, OSError):
-                    continue  # the sentinel reports the death
+                    if r.remote:   # no sentinel for a rank on another machine: its connection is all
+                        errors.setdefault(rank, {"rank": rank, "pid": r.pid, "exc_type": "WorkerDied",
+                                                 "message": "connection to the worker lost", "traceback": "",
+                                                 "died": True})
+                        pending.discard(rank)
+                        first_error_at = first_error_at or time.monotonic()
+                        try:
+                            r.conn.close()
+                        except Exception:
+                            pass
+                    continue  # a local rank's sentinel reports its death
                 kind = msg[0]
                 if kind == "out":
                     if on_output is not None:
@@ -378,9 +423,9 @@ class WorkerPool:
             psutil = None
         ranks = []
         for r in self.ranks:
-            alive = r.process is not None and r.process.is_alive()
+            alive = r.alive
             rss = None
-            if alive and psutil is not None:
+            if alive and psutil is not None and not r.remote:
                 try:
                     rss = psutil.Process(r.pid).memory_info().rss
                 except Exception:
@@ -493,7 +538,8 @@ def get_pool(name: str, devices, backend, **kwargs) -> tuple[WorkerPool, bool]:
     is stopped and replaced.
     """
     pool = _pools.get(name)
-    wanted = (tuple(str(d) for d in devices), backend, kwargs.get("master_addr", LOOPBACK))
+    wanted = (tuple(str(d) for d in devices), backend, kwargs.get("master_addr", LOOPBACK),
+              int(kwargs.get("remote", 0)))
     if pool is not None and pool.alive and pool.key == wanted and pool.timeout == kwargs.get("timeout", pool.timeout):
         return pool, False
     if pool is not None:
@@ -528,6 +574,139 @@ def _kill_all_at_exit() -> None:
             pass
 
 
+# ---- ranks on other machines
+
+class SessionListener:
+    """Where workers on other machines connect to this kernel (one per kernel, kept between pools).
+
+    Connections are authenticated with a random key (HMAC challenge, as in
+    ``multiprocessing.connection``); the key is in the join command.
+    """
+
+    def __init__(self, addr: str, port: int = 0):
+        import secrets
+        self.addr = addr
+        self.token = secrets.token_hex(16)
+        self._listener = mpc.Listener((addr, port), authkey=None)
+        self.port = self._listener.address[1]
+        self._sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+
+    def command(self, nprocs: int) -> str:
+        host = self.addr if self.addr not in ("0.0.0.0", "::") else socket.gethostname()
+        return f"python -m gpumagic.pool join {host}:{self.port} --token {self.token} --nprocs {nprocs}"
+
+    def accept(self, deadline: float):
+        """The next authenticated worker: ``(connection, hello)``; TimeoutError past ``deadline``."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no worker joined from another machine in time; run the join command "
+                                   "shown above on each machine")
+            if self._sock is not None:
+                self._sock.settimeout(min(left, 0.5))
+            try:
+                conn = self._listener.accept()
+            except (socket.timeout, TimeoutError, BlockingIOError):
+                continue
+            try:
+                mpc.deliver_challenge(conn, self.token.encode())
+                mpc.answer_challenge(conn, self.token.encode())
+                kind, hello = conn.recv()
+                if kind == "hello":
+                    return conn, hello
+            except Exception:
+                pass   # a stale or foreign connection: the next one
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        try:
+            self._listener.close()
+        except Exception:
+            pass
+
+
+_listener: SessionListener | None = None
+
+
+def session_listener(addr: str | None = None) -> SessionListener:
+    """The kernel's listener for workers on other machines, created on first use."""
+    global _listener
+    if _listener is None:
+        _listener = SessionListener(addr or os.environ.get("GPUMAGIC_LISTEN_ADDR") or "0.0.0.0")
+        session.register_closer("pool:listener", close_listener)
+    return _listener
+
+
+def close_listener() -> None:
+    global _listener
+    if _listener is not None:
+        _listener.close()
+        _listener = None
+
+
+def _remote_worker(address, token: str, device: str, agent_pid: int) -> None:
+    workers.die_with_parent(agent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        conn = mpc.Client(address, authkey=token.encode())   # waits until the kernel takes us
+    except (OSError, EOFError, mpc.AuthenticationError):
+        os._exit(3)                                           # the kernel is gone: the agent stops
+    conn.send(("hello", {"device": device, "host": socket.gethostname(), "pid": os.getpid()}))
+    kind, config = conn.recv()
+    config["parent_pid"] = agent_pid
+    config["remote"] = True
+    _worker_main(conn, config)
+
+
+def join(address: tuple, token: str, devices: list[str]) -> None:
+    """Serve ``devices`` of this machine to the kernel at ``address`` until it goes away.
+
+    Each pool the kernel starts takes one worker per device; when a pool ends
+    (stopped, interrupted, failed) fresh workers connect again and wait for the next.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    while True:
+        procs = [ctx.Process(target=_remote_worker, args=(address, token, d, os.getpid()), daemon=False)
+                 for d in devices]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if all(p.exitcode == 3 for p in procs):
+            print(f"gpumagic: the kernel at {address[0]}:{address[1]} is gone; leaving", file=sys.stderr)
+            return
+        time.sleep(0.5)
+
+
+def main(argv=None) -> None:
+    """``python -m gpumagic.pool join HOST:PORT --token KEY [--nprocs N | --devices 0,1]``."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m gpumagic.pool",
+                                     description="Lend this machine's devices to a %%dataparallel pool.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    j = sub.add_parser("join", help="connect to the kernel that printed this command")
+    j.add_argument("address", help="HOST:PORT of the kernel")
+    j.add_argument("--token", required=True)
+    j.add_argument("--nprocs", type=int, default=None, help="ranks on this machine (default: one per GPU)")
+    j.add_argument("--devices", default=None, help="comma-separated devices, e.g. 0,1 or cpu")
+    args = parser.parse_args(argv)
+    host, _, port = args.address.rpartition(":")
+    from .devices import visible_gpus
+    gpus = [g.device for g in visible_gpus()]
+    if args.devices:
+        devices = [d if d == "cpu" or d.startswith("cuda") else f"cuda:{d}" for d in args.devices.split(",")]
+        if devices == ["cpu"] and args.nprocs:
+            devices = ["cpu"] * args.nprocs
+    elif gpus:
+        devices = gpus[: args.nprocs] if args.nprocs else gpus
+    else:
+        devices = ["cpu"] * (args.nprocs or 1)
+    join((host.strip("[]"), int(port)), args.token, devices)
+
+
 # ============================================================== worker side
 
 class WorkerContext:
@@ -541,6 +720,7 @@ class WorkerContext:
         self.backend = config["backend"]
         self.config = config
         self.state: dict = {}          # kept between tasks (the tensor store lives here)
+        self.in_task = False
         self._send_lock = threading.Lock()
 
     @property
@@ -605,6 +785,8 @@ def _worker_main(conn, config: dict) -> None:
             os._exit(1)
     info["pgid"] = os.getpgrp()
     conn.send(("ready", info))
+    if config.get("remote"):
+        threading.Thread(target=_watchdog, args=(ctx,), daemon=True).start()
     real_out, real_err = sys.stdout, sys.stderr
     tasks: dict = {}
     while True:
@@ -612,7 +794,7 @@ def _worker_main(conn, config: dict) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             break
-        if msg[0] == "stop":
+        if msg[0] in ("stop", "kill"):
             break
         if msg[0] != "run":
             continue
@@ -623,22 +805,39 @@ def _worker_main(conn, config: dict) -> None:
             conn.recv_bytes_into(data.numpy())
         forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
         sys.stdout, sys.stderr = _PipeWriter(ctx, "stdout", forward), _PipeWriter(ctx, "stderr", forward)
+        ctx.in_task = True
         try:
             fn = tasks.get(task_name) or _import_task(task_name)
             tasks[task_name] = fn
             result = fn(ctx, meta, data)
             payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
             nb = len(memoryview(buffer).cast("B")) if buffer is not None else 0
+            ctx.in_task = False
             ctx._send(("done", payload, nb), buffer if nb else None)
         except BaseException as exc:  # noqa: BLE001 - reported to the kernel
+            ctx.in_task = False
             try:
                 ctx._send(("error", workers.exception_info(ctx.rank, exc)))
             except Exception:
                 break
         finally:
+            ctx.in_task = False
             sys.stdout, sys.stderr = real_out, real_err
     _shutdown_rank()
     os._exit(0)  # skip interpreter teardown: CUDA/NCCL destructors can hang at exit
+
+
+def _watchdog(ctx: WorkerContext) -> None:
+    """A rank on another machine cannot be killed from the kernel: while a task runs the kernel
+    sends nothing, so anything arriving (a kill, or the connection closing) means stop now,
+    even when the main thread is stuck in a collective."""
+    while True:
+        time.sleep(0.2)
+        try:
+            if ctx.in_task and ctx.conn.poll(0):
+                os._exit(1)
+        except (OSError, EOFError, ValueError):
+            os._exit(1)
 
 
 def _import_task(name: str):
@@ -660,7 +859,8 @@ def _init_rank(config: dict) -> dict:
         torch.cuda.set_device(index)
         info["device_name"] = torch.cuda.get_device_name(index)
     else:
-        torch.set_num_threads(config.get("threads") or 1)
+        if config.get("threads"):
+            torch.set_num_threads(config["threads"])
         info["device_name"] = "cpu"
     if config["backend"]:
         import torch.distributed as dist
@@ -718,3 +918,7 @@ def _shutdown_rank() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+
+
+if __name__ == "__main__":
+    main()

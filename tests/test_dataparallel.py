@@ -365,6 +365,45 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
     assert "__gpumagic_dp__" not in ns
 
 
+# ---------------------------------------------------------------- beyond one machine
+
+def test_ranks_from_another_machine_join_over_tcp(shell):
+    """A pool of one local rank and one rank lent by ``python -m gpumagic.pool join`` (here on this machine)."""
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    listener = poolmod.session_listener("127.0.0.1")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    agent = subprocess.Popen([sys.executable, "-m", "gpumagic.pool", "join", f"127.0.0.1:{listener.port}",
+                              "--token", listener.token, "--devices", "cpu", "--nprocs", "1"], cwd=ROOT, env=env)
+    line = "--devices cpu --nprocs 1 --remote 1 --listen 127.0.0.1"
+    try:
+        _cell(shell, line, TRAIN)
+        result = last_result()
+        assert result.devices[0] == "cpu" and result.devices[1].endswith(":cpu") and len(result.devices) == 2
+        for name, p in ns["model"].state_dict().items():
+            torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
+        remote_pid = _pool().pids[1]
+        # the remote rank fails while the local one waits in a barrier: both end, and the agent's
+        # next worker joins the next pool by itself
+        with pytest.raises(WorkerError) as err:
+            _cell(shell, line, "import torch.distributed as dist\nout = model(X)\n"
+                               "if dist.get_rank() == 1:\n    raise KeyError('far away')\ndist.barrier()\n")
+        assert err.value.rank == 1 and err.value.pid == remote_pid
+        assert _wait_dead([remote_pid]) == []
+        _cell(shell, line, "ok = float(model(X).sum())\n")
+        assert isinstance(ns["ok"], float) and _pool().pids[1] != remote_pid
+    finally:
+        poolmod.stop_pool(POOL_NAME)
+        poolmod.close_listener()
+        try:
+            agent.wait(15)      # the listener is gone: the agent leaves by itself
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    assert agent.returncode == 0
+
+
 # ---------------------------------------------------------------- failures (these kill pools; run last)
 
 def test_symmetric_error_keeps_the_pool(shell):

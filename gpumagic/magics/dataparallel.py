@@ -16,7 +16,7 @@ from .args import parse
 
 __all__ = ["DataParallelMagics", "pool_status"]
 
-_ACTIONS = ("status", "stop")
+_ACTIONS = ("status", "stop", "listen")
 
 
 def pool_status() -> display.Rendered:
@@ -47,7 +47,8 @@ class DataParallelMagics(Magics):
 
     @magic_arguments()
     @argument("action", nargs="?", default=None,
-              help="line form only: 'status' (the worker pool) or 'stop' (end the worker processes)")
+              help="line form only: 'status' (the worker pool), 'stop' (end the worker processes), "
+                   "'listen' (print the command that lends another machine's GPUs to this kernel)")
     @argument("--devices", default=None,
               help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
     @argument("--nprocs", type=int, default=None,
@@ -69,6 +70,11 @@ class DataParallelMagics(Magics):
     @argument("--find-unused", action="store_true",
               help="DDP find_unused_parameters=True: for models whose forward skips some parameters")
     @argument("--bucket-mb", type=float, default=None, help="DDP gradient bucket size in MB (default 25)")
+    @argument("--remote", type=int, default=None,
+              help="N more ranks that join from other machines (python -m gpumagic.pool join ...)")
+    @argument("--listen", default=None,
+              help="with --remote or listen: the address other machines reach this kernel at "
+                   "(default: $GPUMAGIC_LISTEN_ADDR, $MASTER_ADDR, else the hostname's)")
     @line_cell_magic
     def dataparallel(self, line, cell=None):
         """Train the cell's model on every GPU; the notebook's model gets the trained weights.
@@ -104,7 +110,8 @@ class DataParallelMagics(Magics):
         from ..parallel import make_plan
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
-                         static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb)
+                         static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
+                         remote=args.remote, listen=args.listen)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()
@@ -124,6 +131,17 @@ class DataParallelMagics(Magics):
         action = args.action or "status"
         if action not in _ACTIONS:
             raise usage_error(f"%dataparallel {action!r}: the line form takes an action", _ACTIONS)
+        if action == "listen":
+            from .. import pool as poolmod
+            from ..parallel import _host_address
+            import os
+            addr = args.listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") \
+                or _host_address()
+            listener = poolmod.session_listener(addr)
+            n = args.nprocs or 1
+            print(f"On each other machine, run (N = its number of GPUs):\n  {listener.command(n)}\n"
+                  f"then run cells with %%dataparallel --remote <total ranks joining> --listen {listener.addr}")
+            return None
         if action == "stop":
             from .. import pool as poolmod
             from ..parallel import POOL_NAME

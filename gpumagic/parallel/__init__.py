@@ -43,10 +43,12 @@ class Plan:
     find_unused: bool = False
     bucket_mb: float | None = None
     notes: list[str] = field(default_factory=list)
+    remote: int = 0                     # ranks joining from other machines
+    listen: str | None = None           # the address other machines reach this kernel at
 
     @property
     def world_size(self) -> int:
-        return len(self.devices)
+        return len(self.devices) + self.remote
 
 
 def _split(text: str | None) -> list[str]:
@@ -56,7 +58,8 @@ def _split(text: str | None) -> list[str]:
 def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy: str | None = None,
               models: str | None = None, backend: str | None = None, timeout: float | None = None,
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
-              find_unused: bool = False, bucket_mb: float | None = None, gpus=None) -> Plan:
+              find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
+              listen: str | None = None, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -84,6 +87,10 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
             raise usage_error(f"--backend {backend!r} is not a torch.distributed backend here", BACKENDS)
     if bucket_mb is not None and bucket_mb <= 0:
         raise usage_error(f"--bucket-mb {bucket_mb}: must be positive")
+    if remote is not None and remote < 0:
+        raise usage_error(f"--remote {remote}: the number of ranks joining from other machines", ["--remote 8"])
+    if remote and strategy == "dp":
+        raise usage_error("--remote needs worker processes; --strategy dp runs in the kernel", ["--strategy ddp"])
 
     listed: list[str] = []
     for spec in _split(devices):
@@ -155,10 +162,21 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
                               ["--strategy dp"])
     except ImportError:  # pragma: no cover
         raise usage_error("torch.distributed is not available; use --strategy dp", ["--strategy dp"]) from None
-    if on_gpu and len(chosen) == 1:
+    if on_gpu and len(chosen) == 1 and not remote:
         notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
+    if remote:
+        listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or _host_address()
     return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes)
+                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen)
+
+
+def _host_address() -> str:
+    """This machine's address as other machines would reach it (the hostname's)."""
+    import socket
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def cpu_count() -> int:

@@ -410,7 +410,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused,
                 "bucket_mb": plan.bucket_mb},
     }
-    progress = Progress(plan.devices, shell)
+    progress = Progress(pool.devices, shell)
     output = _Output(plan.all_output)
     started_at: dict[int, float] = {}
 
@@ -449,7 +449,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
 
     user_ends = [p["t_user"][1] for p, _ in results]
     result = CellResult(
-        devices=list(plan.devices), backend=plan.backend, modules=list(modules),
+        devices=list(pool.devices), backend=plan.backend, modules=list(modules),
         optimizers=list(optimizers), loaders=list(loaders), stateful=stateful,
         values=loaded["values"], not_returned=state.get("not_returned", []),
         value=state.get("value"), per_rank={r: p["stats"] for r, (p, _) in enumerate(results)},
@@ -463,7 +463,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
             # cell start: from the magic's first line to every rank running the user's code,
             # not counting the pool's start
             "start": (max(started_at.values()) - t_begin - pool_start)
-            if len(started_at) == len(plan.devices) else None,
+            if len(started_at) == pool.world_size else None,
             "run": max(user_ends) - min(started_at.values()) if started_at else None,
             # weight return: from the last rank finishing the user's code to the notebook loaded
             "return": t_end - max(user_ends),
@@ -476,6 +476,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
 
 def _pool(plan: Plan):
     from .. import pool as poolmod
+    if plan.remote:
+        return poolmod.get_pool(POOL_NAME, plan.devices, plan.backend, timeout=plan.timeout,
+                                remote=plan.remote, master_addr=plan.listen)
     return poolmod.get_pool(POOL_NAME, plan.devices, plan.backend, timeout=plan.timeout)
 
 
