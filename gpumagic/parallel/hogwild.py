@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 START_METHODS = ("fork", "spawn", "forkserver")
-FLUSH_INTERVAL = 0.25      # seconds between a worker's messages to the kernel
+FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
 PROGRESS_INTERVAL = 0.5    # seconds between progress callbacks in the kernel
 EXIT_GRACE = 10.0          # seconds a worker that finished the cell may take to exit
 STOP_GRACE = 2.0           # SIGTERM, then SIGKILL after this long: well inside 5 s
@@ -1193,7 +1193,7 @@ def _wait(run: _Run, processes: list, conns: list) -> None:
     done_at: dict = {}
     while pending:
         watched = list(open_conns.values()) + [processes[r].sentinel for r in pending]
-        for ready in wait(watched, timeout=0.2):
+        for ready in wait(watched, timeout=PROGRESS_INTERVAL):
             rank = next((r for r, c in open_conns.items() if c is ready), None)
             if rank is not None:
                 if not run.drain(ready):
