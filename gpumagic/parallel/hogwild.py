@@ -24,7 +24,10 @@ Workers start with ``fork`` where that is safe and ``spawn`` otherwise; the
 choice is explicit, never the platform default. Spawned workers get the
 cell as an AST (tracebacks keep the user's line numbers), notebook values by
 cloudpickle (notebook classes and functions travel by value) and shared
-tensors through torch's multiprocessing reducers.
+tensors through torch's multiprocessing reducers. A notebook tensor over
+1 MiB (a dataset) is copied once into shared memory and mapped by every
+spawned worker instead of being pickled into each; the notebook's own
+tensor is never touched.
 
 In a notebook the magic is the way in::
 
@@ -79,7 +82,6 @@ FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
 PROGRESS_INTERVAL = 0.5    # seconds between progress callbacks in the kernel
 EXIT_GRACE = 10.0          # seconds a worker that finished the cell may take to exit
 STOP_GRACE = 2.0           # SIGTERM, then SIGKILL after this long: well inside 5 s
-RESULT_NAME = "sharedtrain"
 
 # Threads from these packages only wait on sockets, pipes and timers; a forked
 # child never runs their code, so they cannot leave it a held lock it needs.
@@ -770,9 +772,6 @@ class _Channel:
         self.buffer: list = []
         self.last_flush = 0.0
         self.broken = False
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
 
     def step(self, batch) -> None:
         self.steps += 1
