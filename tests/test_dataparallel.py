@@ -261,6 +261,21 @@ def test_equivalence_with_single_process_training(shell):
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
 
 
+def test_schedulers_and_stateful_objects_get_rank0_state(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    run_cell(shell, "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
+    ns = shell.user_ns
+    sched = ns["sched"]
+    _cell(shell, CPU2, TRAIN.replace("        losses.append(loss.item())\n",
+                                     "        losses.append(loss.item())\n    sched.step()\n"))
+    assert ns["sched"] is sched and sched.last_epoch == 2
+    assert opt_lr(ns) == pytest.approx(0.1 * 0.25) and sched.get_last_lr() == [pytest.approx(0.025)]
+
+
+def opt_lr(ns):
+    return ns["opt"].param_groups[0]["lr"]
+
+
 def test_shuffled_loader_and_notebook_function(shell):
     """A cell that only calls a notebook function: its globals are the DDP model and the sharded loader."""
     run_cell(shell, SETUP.format(shuffle=True))
@@ -372,10 +387,13 @@ def test_ranks_from_another_machine_join_over_tcp(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns)
-    listener = poolmod.session_listener("127.0.0.1")
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "listen --listen 127.0.0.1")
+    command = next(l.strip() for l in cap.stdout.splitlines() if "gpumagic.pool join" in l).split()
+    assert command[:4] == ["python", "-m", "gpumagic.pool", "join"] and command[4].startswith("127.0.0.1:")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    agent = subprocess.Popen([sys.executable, "-m", "gpumagic.pool", "join", f"127.0.0.1:{listener.port}",
-                              "--token", listener.token, "--devices", "cpu", "--nprocs", "1"], cwd=ROOT, env=env)
+    agent = subprocess.Popen([sys.executable] + command[1:-2] + ["--devices", "cpu", "--nprocs", "1"],
+                             cwd=ROOT, env=env)
     line = "--devices cpu --nprocs 1 --remote 1 --listen 127.0.0.1"
     try:
         _cell(shell, line, TRAIN)
@@ -451,19 +469,29 @@ def test_interrupt_stops_every_rank_within_5_seconds(shell):
     pids = list(_pool().pids)
     body = ("import time, torch, torch.distributed as dist\n"
             "out = model(X)\n"
+            "feeder = iter(DataLoader(TensorDataset(X), batch_size=4, num_workers=1))\n"
+            "next(feeder)\n"
             "for i in range(100000):\n"
             "    t = torch.ones(1)\n"
             "    dist.all_reduce(t)\n"
             "    time.sleep(0.005)\n")
-    timer = threading.Timer(1.5, _thread.interrupt_main)
+    children = []
+
+    def interrupt():
+        # the ranks' own children (a DataLoader worker each) must go too
+        for pid in pids:
+            children.extend(c.pid for c in psutil.Process(pid).children(recursive=True))
+        _thread.interrupt_main()
+    timer = threading.Timer(3.0, interrupt)
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         shell.run_cell_magic("dataparallel", CPU2, body)
-    interrupted_after = time.monotonic() - t0 - 1.5
+    interrupted_after = time.monotonic() - t0 - 3.0
     timer.cancel()
     assert interrupted_after < 5.0
-    assert _wait_dead(pids, timeout=5.0 - max(0.0, interrupted_after)) == []
+    assert len(children) == 2, children
+    assert _wait_dead(pids + children, timeout=5.0 - max(0.0, interrupted_after)) == []
     _cell(shell, CPU2, "ok = 2\nmodel(X)\n")
     assert shell.user_ns["ok"] == 2 and _pool().pids != pids
 
