@@ -391,6 +391,7 @@ def main(argv=None) -> None:
             r = magic_cell(shell, ddp_line, fixed_loop())
             r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
             r["timings"] = last_result().timings
+            print(f"{name}: %%dataparallel timings {r['timings']}", flush=True)
             return r
         r = attempt(results, "%%dataparallel", ours)
         if first_cell and "timings" in r:
@@ -418,6 +419,14 @@ def main(argv=None) -> None:
                 import traceback
                 traceback.print_exc()
                 overheads.append([name, "later cell", f"error: {type(exc).__name__}: {exc}"[:160]])
+
+        if kind == "transformer" and not quick:
+            def static():
+                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+                r = magic_cell(shell, ddp_line + " --static-graph", fixed_loop())
+                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+                return r
+            attempt(results, "%%dataparallel --static-graph", static)
 
         def with_dp():
             notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)

@@ -887,6 +887,11 @@ def _init_rank(config: dict) -> dict:
         # (over a second), better paid here than in the user's cell.
         import torch._dynamo  # noqa: F401
         from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+    # Everything imported so far lives as long as the worker: keep the garbage collector from
+    # walking it again and again during training steps.
+    import gc
+    gc.collect()
+    gc.freeze()
     return info
 
 

@@ -261,6 +261,15 @@ def test_equivalence_with_single_process_training(shell):
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
 
 
+def test_ddp_options_keep_the_result(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    _cell(shell, CPU2 + " --static-graph --bucket-mb 0.001", TRAIN)
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
+
+
 def test_schedulers_and_stateful_objects_get_rank0_state(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     run_cell(shell, "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
