@@ -268,7 +268,8 @@ class WorkerPool:
                 except Exception:
                     pass
             p = r.process
-            if p is None or p.exitcode is not None and not force:
+            # exitcode set means already reaped: its pid may belong to someone else by now
+            if p is None or p.exitcode is not None:
                 continue
             _kill_group(p, r.info.get("pgid"))
         workers.reap(procs, timeout=1.0)
@@ -355,30 +356,17 @@ class WorkerPool:
             for ready in mpc.wait(list(waitables), timeout=0.1):
                 rank = waitables[ready]
                 r = self.ranks[rank]
-                if r.process is not None and ready is r.process.sentinel:
-                    if r.conn.poll():
-                        continue  # read what it said before dying first
-                    code = r.process.exitcode
-                    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                    errors.setdefault(rank, {"rank": rank, "pid": r.pid, "exc_type": "WorkerDied",
-                                             "message": f"worker {how}", "traceback": "", "died": True})
+                if r.process is not None and ready is r.process.sentinel and r.conn.poll():
+                    continue  # read what it said before dying first (its pipe is readable too)
+                try:
+                    if r.process is not None and ready is r.process.sentinel:
+                        raise EOFError
+                    msg = r.conn.recv()
+                except (EOFError, OSError):
+                    errors.setdefault(rank, self._death(r))
                     pending.discard(rank)
                     first_error_at = first_error_at or time.monotonic()
                     continue
-                try:
-                    msg = r.conn.recv()
-                except (EOFError, OSError):
-                    if r.remote:   # no sentinel for a rank on another machine: its connection is all
-                        errors.setdefault(rank, {"rank": rank, "pid": r.pid, "exc_type": "WorkerDied",
-                                                 "message": "connection to the worker lost", "traceback": "",
-                                                 "died": True})
-                        pending.discard(rank)
-                        first_error_at = first_error_at or time.monotonic()
-                        try:
-                            r.conn.close()
-                        except Exception:
-                            pass
-                    continue  # a local rank's sentinel reports its death
                 kind = msg[0]
                 if kind == "out":
                     if on_output is not None:
@@ -413,6 +401,22 @@ class WorkerPool:
             raise _primary(errors)
         self._last_run_clean = True
         return results
+
+    def _death(self, r: RankInfo) -> dict:
+        """What to say about a rank that went away without a word."""
+        if r.process is None:
+            how = "the connection to the worker was lost"
+        else:
+            r.process.join(1.0)
+            code = r.process.exitcode
+            if code is None:
+                how = "the worker closed its pipe"
+            elif code < 0:
+                how = f"the worker was killed by signal {-code}" + (" (out of memory?)" if -code == 9 else "")
+            else:
+                how = f"the worker exited with code {code}"
+        return {"rank": r.rank, "pid": r.pid, "exc_type": "WorkerDied", "message": how, "traceback": "",
+                "died": True}
 
     # ---- status
     def status(self) -> dict:
@@ -490,8 +494,8 @@ def _last_line(tb: str) -> str:
 
 
 def _primary(errors: dict) -> WorkerError:
-    """The error to show: a real exception before a death, the lowest rank among equals."""
-    infos = sorted(errors.values(), key=lambda e: (bool(e.get("died")), _collateral(e), e["rank"]))
+    """The error to show: a real exception, else a death, else what others suffered from it; lowest rank first."""
+    infos = sorted(errors.values(), key=lambda e: (_collateral(e), bool(e.get("died")), e["rank"]))
     e = infos[0]
     cls = PoolDied if e.get("died") else WorkerError
     err = cls(e["rank"], e.get("pid"), e["exc_type"], e["message"], e.get("traceback", ""))

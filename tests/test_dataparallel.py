@@ -472,6 +472,19 @@ def test_error_on_one_rank_stops_all_and_leaves_model_unchanged(shell):
     assert _pool().pids != pids and isinstance(shell.user_ns["ok"], float)
 
 
+def test_a_rank_that_dies_is_reported_and_the_pool_replaced(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(_pool().pids)
+    with pytest.raises(poolmod.PoolDied) as err:
+        _cell(shell, CPU2, "import os, signal, torch.distributed as dist\nout = model(X)\n"
+                           "if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n")
+    assert err.value.rank == 1 and "killed by signal 9" in err.value.message
+    assert _wait_dead(pids) == []
+    _cell(shell, CPU2, "ok = 3\nmodel(X)\n")
+    assert shell.user_ns["ok"] == 3
+
+
 def test_interrupt_stops_every_rank_within_5_seconds(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     _cell(shell, CPU2, "a = model(X).shape[0]\n")
