@@ -323,6 +323,15 @@ def test_pool_is_reused_and_output_streams(shell):
     assert "[rank 0] hi 0" in cap.stdout and "[rank 1] hi 1" in cap.stdout
 
 
+def test_returned_tensors_survive_the_next_cell(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    value, _ = _cell(shell, CPU2, "v = torch.tensor(1.5) + 0 * model(X).sum().detach()\n"
+                                  "vs = [torch.tensor(2.5), 3]\nv * 2\n")
+    v, vs = shell.user_ns["v"], shell.user_ns["vs"]
+    _cell(shell, CPU2, "w = torch.tensor(-7.0) + 0 * model(X).sum().detach()\nws = [torch.tensor(-8.0)]\nw\n")
+    assert float(v) == 1.5 and float(vs[0]) == 2.5 and vs[1] == 3 and float(value) == 3.0
+
+
 def test_large_tensors_stay_in_workers_until_changed(shell):
     run_cell(shell, "import torch\nfrom torch import nn\nbig = nn.Linear(512, 512)\n"
                     "bopt = torch.optim.SGD(big.parameters(), lr=0.01)\n")

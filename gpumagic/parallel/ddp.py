@@ -31,10 +31,9 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from .. import cells, workers
+from .. import cells
 from ..errors import usage_error
-from ..namespace import (find_loaders, find_modules, find_optimizers, is_plain_value, names_assigned,
-                         names_read)
+from ..namespace import find_loaders, find_modules, find_optimizers, is_plain_value, names_assigned
 from . import POOL_NAME, Plan
 
 __all__ = ["run_cell", "rank_main", "CellDDP", "CellResult", "used_names", "last_result"]
@@ -322,7 +321,6 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     global _last
     import torch
 
-    from .. import pool as poolmod
     from . import ship
     from .progress import Progress
 
@@ -436,6 +434,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     payload, buffer = results[0]
     try:
         state, _ = ship.unpack(payload["state"], buffer, device="cpu", copy=False)
+        # Weights are copied into the notebook's tensors; values are kept: they must not be
+        # views of the receive buffer that the next cell reuses.
+        state["values"], state["value"] = _cloned(state["values"]), _cloned(state.get("value"))
         loaded = _load_into_notebook(ns, state, modules, optimizers, stateful)
     except BaseException:
         pool.held = set()
@@ -694,7 +695,6 @@ def _rank_main(ctx, meta, data, store):
     import random
 
     import torch
-    import torch.distributed as dist
 
     from ..loaders import shard_loader
     from . import ship
