@@ -183,6 +183,15 @@ def test_free_reads_skip_names_the_cell_binds_first():
                                           "t0", "total"]
 
 
+def test_cuda_spellings_mean_the_rank_gpu():
+    from gpumagic.parallel.ddp import _RankDevice
+    src = ("a = x.cuda(0)\nb = torch.device('cuda', 0)\nc = torch.zeros(2, device='cuda:0')\n"
+           "torch.cuda.set_device(0)\ne = torch.ones(1, device=0)\nf = f'cuda:0 {x}'\ng = x.cuda()\n")
+    assert ast.unparse(_RankDevice(1).visit(ast.parse(src))) == (
+        "a = x.cuda(1)\nb = torch.device('cuda', 1)\nc = torch.zeros(2, device='cuda:1')\n"
+        "torch.cuda.set_device(1)\ne = torch.ones(1, device=1)\nf = f'cuda:0 {x}'\ng = x.cuda()")
+
+
 def test_model_calls_rewritten_for_dp():
     tree = ModelCallRewriter({"model"}).visit(ast.parse("y = model(x, k=1)\nz = other(x)\nm = model.fc(x)"))
     assert ast.unparse(tree) == "y = __gpumagic_dp__(model, x, k=1)\nz = other(x)\nm = model.fc(x)"

@@ -98,7 +98,9 @@ class DataParallelMagics(Magics):
         Without GPUs, ``--nprocs N`` runs N CPU processes (gloo).
 
         ``%dataparallel status`` shows the worker pool; ``%dataparallel stop``
-        ends it (``%unload_ext gpumagic`` does too).
+        ends it (``%unload_ext gpumagic`` does too). ``%dataparallel listen``
+        prints the command that lends another machine's GPUs to this kernel;
+        cells with ``--remote N`` then train on them too.
         """
         args = parse(self.dataparallel, line)
         if cell is None:

@@ -664,6 +664,10 @@ class _RankDevice(ast.NodeTransformer):
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr in ("cuda", "set_device") and node.args:
             node.args = [self._index(a) for a in node.args[:1]] + node.args[1:]
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "device" and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value == "cuda":
+            node.args[1] = self._index(node.args[1])      # torch.device("cuda", 0)
         for kw in node.keywords:
             if kw.arg == "device":
                 kw.value = self._index(kw.value)
