@@ -105,7 +105,6 @@ class LabServer:
             "JUPYTER_RUNTIME_DIR": str(home / "jupyter-runtime"),
             "IPYTHONDIR": str(home / "ipython"),
             "JUPYTER_PLATFORM_DIRS": "0",
-            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         })
         env.pop("JUPYTER_TOKEN", None)
         return env

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import warnings
 
 import pytest
 
-from labharness import ARTIFACTS, ROOT
+from labharness import ARTIFACTS, ROOT, Browser, LabServer, missing_requirements
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
@@ -37,6 +38,37 @@ CELL_TIMEOUT = 120
 BIG_MIB = 512  # the tensor the test allocates while watching the gauge
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+# --------------------------------------------------------------------------- fixtures
+# Both are always shut down, whatever the test does.
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    missing = missing_requirements()
+    if missing:
+        pytest.skip("browser test needs " + ", ".join(missing) + "; .ci/browser-deps.sh installs them")
+    if not TOUR.exists():
+        pytest.fail(f"{TOUR} is missing")
+    server = LabServer(tmp_path_factory.mktemp("jupyterlab"))
+    shutil.copy(TOUR, server.root / TOUR.name)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def browser(lab):
+    shutil.rmtree(SHOTS, ignore_errors=True)  # only this run's pictures
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser = Browser(lab.home)
+    try:
+        yield browser
+    finally:
+        browser.stop()
+
 
 
 # --------------------------------------------------------------------------- page helpers
@@ -202,7 +234,21 @@ def _wait_kernel_bytes(gauge, accept, timeout: float = 30.0) -> tuple[float, str
 
 # --------------------------------------------------------------------------- the test
 
-def test_tour_in_jupyterlab(lab, page):
+def test_tour_in_jupyterlab(lab, browser):
+    page = browser.start()
+    try:
+        _tour(lab, page)
+    except BaseException:
+        # What the page showed, what it logged and what the server said, for the failure report.
+        try:
+            _shot(page, "failure")
+        finally:
+            print("--- browser console ---\n" + "\n".join(browser.console[-60:]))
+            print("--- jupyterlab log ---\n" + lab.log_text())
+        raise
+
+
+def _tour(lab, page):
     _open_notebook(page, lab, TOUR.name)
     _shot(page, "01_opened")
 
