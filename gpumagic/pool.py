@@ -24,6 +24,7 @@ run on every rank by :meth:`WorkerPool.run`; ``ctx`` is the rank's
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import io
 import multiprocessing
@@ -818,12 +819,18 @@ def _worker_main(conn, config: dict) -> None:
             nb = len(memoryview(buffer).cast("B")) if buffer is not None else 0
             ctx.in_task = False
             ctx._send(("done", payload, nb), buffer if nb else None)
+            del result, payload, buffer
+            # The cell's namespace, its DDP wrappers and their buffers are cycles: free them now,
+            # while the kernel loads the weights, rather than at some later step.
+            gc.collect()
         except BaseException as exc:  # noqa: BLE001 - reported to the kernel
             ctx.in_task = False
             try:
                 ctx._send(("error", workers.exception_info(ctx.rank, exc)))
             except Exception:
                 break
+            del exc
+            gc.collect()
         finally:
             ctx.in_task = False
             sys.stdout, sys.stderr = real_out, real_err
@@ -893,7 +900,6 @@ def _init_rank(config: dict) -> dict:
         from torch.nn.parallel import DistributedDataParallel  # noqa: F401
     # Everything imported so far lives as long as the worker: keep the garbage collector from
     # walking it again and again during training steps.
-    import gc
     gc.collect()
     gc.freeze()
     return info

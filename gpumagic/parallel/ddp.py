@@ -789,6 +789,10 @@ def _rank_main(ctx, meta, data, store):
     t_end = time.monotonic()
     stats["seconds"] = t_end - t_start
 
+    # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
+    for module in inner.values():
+        for p in module.parameters():
+            p.grad = None
     # Every rank holds what it trained (and the data it read) for the next cell.
     held = list(tensors)
     for module in inner.values():
