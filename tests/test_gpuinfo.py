@@ -99,7 +99,7 @@ def test_notebook_shows_a_picker_and_picking_sets_the_device(notebook, fake_mach
     from gpumagic.widgets.picker import DevicePicker, _open
     picker = next(iter(_open))
     labels = [label for label, _ in picker.widget.options]
-    assert [v for _, v in picker.widget.options] == ["cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [v for _, v in picker.widget.options] == ["cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3", "meta"]
     assert labels[1].startswith("cuda:0: NVIDIA H200, ") and labels[1].endswith("GiB free")
     assert picker.value == "cuda:0"
     picker.value = "cuda:3"                    # what choosing in the dropdown does

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import run_cell
+from tests.conftest import run_cell
 from gpumagic import session
 from gpumagic.errors import UsageError
 from gpumagic.ondevice import OnDeviceOptions, run_on_device

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cell
+from tests.conftest import ROOT, run_cell
 
 pytestmark = pytest.mark.gpu
 TESTS = os.path.dirname(os.path.abspath(__file__))

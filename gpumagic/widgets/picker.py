@@ -25,6 +25,8 @@ def device_options(report_devices: list[dict]) -> list[tuple[str, str]]:
     options = []
     for d in report_devices:
         name = d.get("name") or d["device"]
+        if d["device"] == "meta":
+            name = "shapes only, no memory (dry runs)"
         if d["device"].startswith("cuda:"):
             label = f"{d['device']}: {name}, {fmt_bytes(d.get('memory_free'))} free"
         else:
@@ -45,7 +47,8 @@ class DevicePicker:
         if report_devices is None:
             from ..inventory import device_report
             report_devices = device_report()["devices"]
-        options = device_options([d for d in report_devices if d["device"] != "meta"])
+        listed = [d for d in report_devices if d["device"] != "meta"] + [{"device": "meta"}]
+        options = device_options(listed)
         current = devices.default_device()
         values = [v for _, v in options]
         self.widget = w.Dropdown(
