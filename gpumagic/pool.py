@@ -11,7 +11,9 @@ DataLoader workers it started.
 The rendezvous is a ``TCPStore`` served by the kernel on a socket bound to
 127.0.0.1 (torch's own would listen on every interface); gloo and NCCL are
 told to use the loopback interface too. Control messages travel through one
-pipe per worker (no shared memory, no semaphores: nothing to leak).
+pipe per worker; bulk bytes through anonymous shared memory (``memfd``, see
+:mod:`gpumagic.bulk`) whose descriptor is passed over that pipe. Nothing has
+a name in ``/dev/shm`` and there are no semaphores: nothing can leak.
 
 A task is a function ``task(ctx, meta, data)`` named ``"module:function"``,
 run on every rank by :meth:`WorkerPool.run`; ``ctx`` is the rank's
@@ -290,8 +292,9 @@ class WorkerPool:
                 pass
             self._listen_sock = None
         self.held = set()
-        self.__dict__.pop("_recv_scratch", None)
-        self.__dict__.pop("_ship_scratch", None)
+        for buf in [self.__dict__.pop("_outgoing", None)] + list(self.__dict__.pop("_incoming", {}).values()):
+            if buf is not None:
+                buf.close()
         self.state = state
         _live_pools.discard(self)
 
@@ -329,23 +332,37 @@ class WorkerPool:
 
     _last_run_clean = True
 
+    @property
+    def outgoing(self):
+        """The kernel's bulk buffer (shared memory): fill ``outgoing.get(n)`` and pass it to :meth:`run`."""
+        out = self.__dict__.get("_outgoing")
+        if out is None:
+            from .bulk import Outgoing
+            out = self._outgoing = Outgoing(shared=True)
+        return out
+
+    def _incoming_for(self, rank: int):
+        from .bulk import Incoming
+        return self.__dict__.setdefault("_incoming", {}).setdefault(rank, Incoming())
+
     def _run(self, task, meta, data, on_output, on_message, on_tick, grace):
         self._last_run_clean = False
-        nbytes = len(memoryview(data).cast("B")) if data is not None and len(data) else 0
         senders = []
+        out = self.outgoing
         for r in self.ranks:
-            r.conn.send(("run", task, meta, nbytes))
-        if nbytes:
-            # Socket writes release the GIL: all ranks receive at once.
-            for r in self.ranks:
-                t = threading.Thread(target=_send_bytes_quietly, args=(r.conn, data), daemon=True)
+            ref, new = out.reference(data, peer=(r.rank, r.pid), can_share=not r.remote)
+            r.conn.send(("run", task, meta, ref))
+            if ref is not None and ref[0] == "bytes":
+                # Socket writes release the GIL: such ranks receive at once.
+                t = threading.Thread(target=_send_quietly, args=(out, r, ref, data), daemon=True)
                 t.start()
                 senders.append(t)
+            else:
+                out.send(r.conn, ref, new, data, (r.rank, r.pid), r.pid)
         results: list = [None] * self.world_size
         errors: dict[int, dict] = {}
         first_error_at = None
         pending = set(range(self.world_size))
-        scratch = self.__dict__.setdefault("_recv_scratch", {})
         last_tick = 0.0
         while pending:
             waitables = {}
@@ -376,11 +393,7 @@ class WorkerPool:
                     if on_message is not None:
                         on_message(rank, msg[1])
                 elif kind == "done":
-                    buf = None
-                    if msg[2]:
-                        buf = scratch.setdefault(rank, _scratch()).get(msg[2])
-                        r.conn.recv_bytes_into(buf.numpy())
-                    results[rank] = (msg[1], buf)
+                    results[rank] = (msg[1], self._incoming_for(rank).receive(r.conn, msg[2]))
                     pending.discard(rank)
                 elif kind == "error":
                     errors[rank] = msg[1]
@@ -463,16 +476,11 @@ class _plain_main:
         return False
 
 
-def _scratch():
-    from .parallel.ship import Scratch
-    return Scratch()
-
-
-def _send_bytes_quietly(conn, data) -> None:
+def _send_quietly(out, r, ref, data) -> None:
     try:
-        conn.send_bytes(data)
+        out.send(r.conn, ref, False, data, (r.rank, r.pid), r.pid)
     except Exception:
-        pass  # the worker died; its sentinel tells the waiting loop
+        pass  # the worker died; the waiting loop hears of it
 
 
 def _same_failure(errors: dict, world: int) -> bool:
@@ -737,11 +745,25 @@ class WorkerContext:
         """Send ``obj`` to the kernel's ``on_message`` while the task runs."""
         self._send(("msg", obj))
 
-    def _send(self, msg, data=None) -> None:
+    def _send(self, msg) -> None:
         with self._send_lock:
             self.conn.send(msg)
-            if data is not None:
-                self.conn.send_bytes(data)
+
+    @property
+    def outgoing(self):
+        """This rank's bulk buffer for results: fill ``outgoing.get(n)`` and return it from the task."""
+        out = self.state.get("_outgoing")
+        if out is None:
+            from .bulk import Outgoing
+            out = self.state["_outgoing"] = Outgoing(shared=not self.config.get("remote"))
+        return out
+
+    def _send_result(self, payload, buffer) -> None:
+        out = self.outgoing
+        ref, new = out.reference(buffer, peer="kernel", can_share=not self.config.get("remote"))
+        with self._send_lock:
+            self.conn.send(("done", payload, ref))
+            out.send(self.conn, ref, new, buffer, "kernel", self.config["parent_pid"])
 
 
 class _PipeWriter(io.TextIOBase):
@@ -794,6 +816,7 @@ def _worker_main(conn, config: dict) -> None:
         threading.Thread(target=_watchdog, args=(ctx,), daemon=True).start()
     real_out, real_err = sys.stdout, sys.stderr
     tasks: dict = {}
+    incoming = None
     while True:
         try:
             msg = conn.recv()
@@ -803,11 +826,11 @@ def _worker_main(conn, config: dict) -> None:
             break
         if msg[0] != "run":
             continue
-        _, task_name, meta, nbytes = msg
-        data = None
-        if nbytes:
-            data = ctx.state.setdefault("_scratch", _scratch()).get(nbytes)
-            conn.recv_bytes_into(data.numpy())
+        _, task_name, meta, ref = msg
+        if incoming is None:
+            from .bulk import Incoming
+            incoming = Incoming()
+        data = incoming.receive(conn, ref)
         forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
         sys.stdout, sys.stderr = _PipeWriter(ctx, "stdout", forward), _PipeWriter(ctx, "stderr", forward)
         ctx.in_task = True
@@ -816,9 +839,8 @@ def _worker_main(conn, config: dict) -> None:
             tasks[task_name] = fn
             result = fn(ctx, meta, data)
             payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
-            nb = len(memoryview(buffer).cast("B")) if buffer is not None else 0
             ctx.in_task = False
-            ctx._send(("done", payload, nb), buffer if nb else None)
+            ctx._send_result(payload, buffer)
             del result, payload, buffer
             # The cell's namespace, its DDP wrappers and their buffers are cycles: free them now,
             # while the kernel loads the weights, rather than at some later step.

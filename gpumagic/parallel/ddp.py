@@ -378,7 +378,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     if started:
         # A fresh pool holds nothing from the notebook.
         pool.held = set()
-    scratch = pool.__dict__.setdefault("_ship_scratch", ship.Scratch())
+    scratch = pool.outgoing       # shared memory the local ranks map: written once for all of them
     dummy = types.FunctionType(compile("None", "<gpumagic>", "eval"), ns)
     try:
         packed = ship.pack({_GLOBALS_KEY: dummy, "values": values}, targets=targets, held=pool.held,
@@ -419,7 +419,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
             progress.update(rank, msg["stats"])
 
     try:
-        results = pool.run(TASK, meta, packed.view() if packed.nbytes else None,
+        results = pool.run(TASK, meta, packed.data(),
                            on_output=output.write, on_message=on_message, on_tick=progress.tick)
     except BaseException:
         pool.held = set()
@@ -829,11 +829,10 @@ def _rank_main(ctx, meta, data, store):
             elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                     and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
                 state["not_returned"].append(n)
-        packed = ship.pack(state, targets=_all_cpu(state), fingerprint=False,
-                           scratch=ctx.state.setdefault("_return_scratch", ship.Scratch()))
+        packed = ship.pack(state, targets=_all_cpu(state), fingerprint=False, scratch=ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
-        buffer = packed.view() if packed.nbytes else None
+        buffer = packed.data()
     return payload, buffer
 
 

@@ -4,10 +4,11 @@ An object graph (the notebook values a cell reads: modules, optimizers,
 loaders, functions and classes defined in the notebook) is pickled with
 cloudpickle, except that every dense tensor is taken out of the pickle and
 its bytes are laid end to end in one flat buffer. The pickle (the *header*)
-and the buffer travel separately, the buffer with one ``send_bytes`` per
-worker and, on the worker, one host-to-device copy for all the tensors bound
-for its GPU. That is what keeps shipping a ResNet-50 and its optimizer a
-matter of a few hundred milliseconds rather than seconds.
+and the buffer travel separately: the buffer is written once into shared
+memory that every local worker maps (:mod:`gpumagic.bulk`), and on the
+worker one host-to-device copy moves all the tensors bound for its GPU. That
+is what keeps shipping a ResNet-50 and its optimizer a matter of a few
+hundred milliseconds rather than seconds.
 
 Tensors of ``min_cache_bytes`` or more are also *fingerprinted* (a 64-bit,
 position-weighted sum of their bits, the same on CPU and GPU). A worker keeps
@@ -76,11 +77,11 @@ class Packed:
     cached_bytes: int = 0         # tensor bytes replaced by keys the receiver holds
     keys: set = field(default_factory=set)   # fingerprint keys of the large tensors in the object
 
-    def view(self):
-        """The buffer's bytes as something ``Connection.send_bytes`` takes."""
+    def data(self):
+        """The bytes that travel: a uint8 tensor (a view of the buffer), or None."""
         if not self.nbytes:
-            return b""
-        return self.buffer[: self.nbytes].numpy()
+            return None
+        return self.buffer[: self.nbytes]
 
 
 class Scratch:

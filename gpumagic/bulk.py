@@ -1,0 +1,151 @@
+"""Bulk bytes between the kernel and its workers: anonymous shared memory, or the socket.
+
+A pipe moves a few hundred MB/s; a ResNet-50 and its optimizer state are
+200 MB. So the bytes of tensors travel through a ``memfd`` (Linux anonymous
+shared memory): the sender writes them once into its mapping, the receiver
+reads them from its own mapping of the same pages, and the file descriptor
+itself is passed over the control socket the first time (and again only when
+the buffer grows). A memfd has no name in ``/dev/shm`` and is freed when the
+last process holding it exits, however it exits: nothing can leak.
+
+Where file descriptors cannot travel (a worker on another machine, a system
+without ``memfd_create``), the same bytes go through the socket.
+
+One message carries a *bulk reference*, one of::
+
+    None                          no bytes
+    ("bytes", n)                  n bytes follow with send_bytes
+    ("shm", gen, size, n, new)    the first n bytes of the sender's buffer gen;
+                                  new: its descriptor follows (send_handle)
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from multiprocessing import reduction
+
+import torch
+
+__all__ = ["Outgoing", "Incoming", "shm_supported"]
+
+_PAGE = mmap.PAGESIZE
+
+
+def shm_supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(reduction, "send_handle")
+
+
+class Outgoing:
+    """The sender's buffer: ``get(n)`` gives a uint8 tensor to fill, ``send(...)`` the reference."""
+
+    def __init__(self, shared: bool = True):
+        self.shared = shared and shm_supported()
+        self.gen = 0
+        self.size = 0
+        self._fd = None
+        self._mm = None
+        self._tensor = torch.empty(0, dtype=torch.uint8)
+        self._peers_have: dict = {}   # peer key -> generation it has mapped
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self._tensor.numel():
+            self._grow(nbytes)
+        return self._tensor[:nbytes]
+
+    def _grow(self, nbytes: int) -> None:
+        size = -(-int(nbytes * 1.25 + 4096) // _PAGE) * _PAGE   # headroom: a slightly larger next cell fits
+        if not self.shared:
+            self._tensor = torch.empty(size, dtype=torch.uint8)
+            self.size = size
+            return
+        fd = os.memfd_create("gpumagic-bulk", getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd is not None:
+            os.close(self._fd)
+        # The old mapping goes away with the last tensor viewing it.
+        self._fd, self._mm, self.size = fd, mm, size
+        self._tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self.gen += 1
+
+    def owns(self, data) -> bool:
+        return (isinstance(data, torch.Tensor) and data.numel() > 0 and self._tensor.numel() > 0
+                and data.data_ptr() == self._tensor.data_ptr())
+
+    def reference(self, data, peer, can_share: bool):
+        """The bulk reference for sending ``data`` to ``peer``, and whether its descriptor must follow."""
+        if data is None:
+            return None, False
+        n = data.numel() if isinstance(data, torch.Tensor) else len(memoryview(data).cast("B"))
+        if n == 0:
+            return None, False
+        if can_share and self.shared and self.owns(data):
+            new = self._peers_have.get(peer) != self.gen
+            return ("shm", self.gen, self.size, n, new), new
+        return ("bytes", n), False
+
+    def send(self, conn, ref, new_fd: bool, data, peer, destination_pid: int) -> None:
+        """Send what follows a message carrying ``ref``: the descriptor, or the bytes."""
+        if ref is None:
+            return
+        if ref[0] == "shm":
+            if new_fd:
+                reduction.send_handle(conn, self._fd, destination_pid)
+                self._peers_have[peer] = self.gen
+            return
+        conn.send_bytes(data.numpy() if isinstance(data, torch.Tensor) else data)
+
+    def forget(self, peer) -> None:
+        self._peers_have.pop(peer, None)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._mm = None
+        self._tensor = torch.empty(0, dtype=torch.uint8)
+        self.size = 0
+        self._peers_have.clear()
+
+
+class Incoming:
+    """The receiver's side for one sender: its mapped buffer, or a scratch buffer for bytes."""
+
+    def __init__(self):
+        self.gen = None
+        self._mapped = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def receive(self, conn, ref) -> torch.Tensor | None:
+        """Read what follows a message carrying ``ref``; returns a uint8 tensor (valid until the next)."""
+        if ref is None:
+            return None
+        if ref[0] == "shm":
+            _, gen, size, n, new = ref
+            if new:
+                fd = reduction.recv_handle(conn)
+                try:
+                    self._mm = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                self._mapped = torch.frombuffer(self._mm, dtype=torch.uint8)
+                self.gen = gen
+            if self.gen != gen:
+                raise RuntimeError(f"bulk buffer {gen} was never received (have {self.gen})")
+            return self._mapped[:n]
+        n = ref[1]
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(int(n * 1.25) + 4096, dtype=torch.uint8)
+        view = self._scratch[:n]
+        conn.recv_bytes_into(view.numpy())
+        return view
+
+    def close(self) -> None:
+        self._mapped = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
