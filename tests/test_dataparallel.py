@@ -231,6 +231,30 @@ def test_ship_cache_is_keyed_by_content():
     assert ship.fingerprint_keys([swapped]) != ship.fingerprint_keys([big])
 
 
+def test_bulk_bytes_go_through_anonymous_shared_memory():
+    import multiprocessing
+    from gpumagic.bulk import Incoming, Outgoing
+    a, b = multiprocessing.Pipe()
+    out, inc = Outgoing(), Incoming()
+    before = set(os.listdir("/dev/shm"))
+    sent = []
+    for size in (1000, 800, 5_000_000):          # the last one grows the buffer: a new descriptor
+        data = out.get(size)
+        data.copy_(torch.arange(size) % 251)
+        ref, new = out.reference(data, peer="p", can_share=True)
+        sent.append(new)
+        a.send(ref)
+        out.send(a, ref, new, data, "p", os.getpid())
+        got = inc.receive(b, b.recv())
+        assert torch.equal(got, (torch.arange(size) % 251).to(torch.uint8))
+    assert sent == [True, False, True] and ref[0] == "shm"
+    ref, _ = out.reference(out.get(10), peer="far", can_share=False)   # a remote peer: bytes
+    a.send(ref)
+    out.send(a, ref, False, out.get(10), "far", 0)
+    assert ref == ("bytes", 10) and torch.equal(inc.receive(b, b.recv()), out.get(10))
+    assert set(os.listdir("/dev/shm")) - before == set()    # memfd: nothing with a name
+
+
 def test_progress_prints_per_rank_lines_in_a_terminal():
     import io
     from gpumagic.parallel.progress import Progress
