@@ -336,6 +336,10 @@ def main(argv=None) -> None:
     dp_line = "--strategy dp" + ("" if quick else " --devices 0,1")
     if not quick:
         torch.backends.cudnn.benchmark = True      # every column, the notebook's too (workers follow it)
+    else:
+        # One thread per process everywhere (as the pool's 2 CPU workers get on 2 cores): OpenMP
+        # threads that spin on a shared, busy CPU make a single process erratically slow.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     kinds = [k.strip() for k in args.models.split(",") if k.strip()]
     if "resnet50" in kinds and not quick:
         try:
@@ -366,7 +370,13 @@ def main(argv=None) -> None:
         name = {"resnet50": "ResNet-50", "mlp": "MLP", "transformer": "Transformer"}[kind]
         results: list = []
         # 1 GPU: also tells how many steps fill the timed window.
-        probe = in_process(kind, quick, device, gbatch, warmup=5, steps=10**9, seconds=seconds / 4, chunk=2)
+        try:
+            probe = in_process(kind, quick, device, gbatch, warmup=5, steps=10**9, seconds=seconds / 4, chunk=2)
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            rows.append([name, str(gbatch), "(all)", "error", f"{type(exc).__name__}: {exc}"[:120], "-"])
+            continue
         rate = probe["steps"] / probe["elapsed"]
         warmup = max(5, math.ceil(rate * 1.0))
         steps = max(10, round(rate * seconds * 1.8 / 2) * 2)   # about `seconds` for a 1.8x faster column
