@@ -425,7 +425,7 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns)
-    value, cap = _cell(shell, "--strategy dp", TRAIN + "len(losses)\n")
+    value, cap = _cell(shell, "--strategy dp --devices cpu", TRAIN + "len(losses)\n")
     assert value == 8
     assert "one device" in cap.stderr
     for name, p in ns["model"].state_dict().items():
