@@ -352,6 +352,11 @@ def test_pool_is_reused_and_output_streams(shell):
     assert result.timings["start"] < 5.0          # no restart: a second cell starts at once
     assert cap.stdout.count("hello from 0") == 1 and "hello from 1" not in cap.stdout
     assert value == 20 and shell.user_ns["rank_seen"] == 0 and shell.user_ns["world"] == 2
+    # in the cell, model is the DDP wrapper but reads like the notebook's module
+    _cell(shell, CPU2, "kind = type(model).__name__\nfirst = next(iter(model.state_dict()))\n"
+                       "names = [n for n, _ in model.named_parameters()]\nsub = type(model.hidden).__name__\n")
+    assert shell.user_ns["kind"] == "CellDDP" and shell.user_ns["first"] == "hidden.weight"
+    assert shell.user_ns["names"][:2] == ["hidden.weight", "hidden.bias"] and shell.user_ns["sub"] == "Linear"
     assert "out" in result.not_returned and "out" not in shell.user_ns  # a tensor output stays in the workers
 
     _, cap = _cell(shell, CPU2 + " --all-output", "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")

@@ -618,7 +618,12 @@ def _make_cell_ddp():
             try:
                 return super().__getattr__(name)
             except AttributeError:
-                return getattr(self.module, name)
+                # Only once the wrapped module is in place (DDP's own __init__ probes attributes),
+                # and never for dunders (copy, pickle and friends ask for those).
+                modules = self.__dict__.get("_modules")
+                if name.startswith("__") or not modules or "module" not in modules:
+                    raise
+                return getattr(modules["module"], name)
 
         def state_dict(self, *args, **kwargs):
             return self.module.state_dict(*args, **kwargs)
