@@ -77,11 +77,11 @@ def _wait_dead(pids, timeout=5.0) -> list:
     return [p for p in pids if _alive(p)]
 
 
-def _reference(ns):
+def _reference(ns, epochs=2):
     """The same training in this process on cuda:0, on the full batches."""
     model = copy.deepcopy(ns["model"]).to("cuda:0")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(2):
+    for _ in range(epochs):
         for x, y in ns["loader"]:
             x, y = x.to("cuda:0"), y.to("cuda:0")
             opt.zero_grad()
@@ -134,14 +134,19 @@ def test_cuda_spellings_in_the_cell_mean_each_rank_own_gpu(shell):
     assert value == 4
 
 
-def test_second_cell_reuses_workers_and_keeps_weights_on_gpu(shell):
+def test_second_cell_continues_from_the_first(shell):
+    """Weights and momentum go back and forth (the second time from the workers' kept copies)."""
     run_cell(shell, SETUP.format(where="cuda:0"))
+    ns = shell.user_ns
+    ref = _reference(ns, epochs=4)
     _cell(shell, "--nprocs 2", TRAIN)
     pids = list(_pool().pids)
     _cell(shell, "--nprocs 2", TRAIN)
     result = last_result()
     assert _pool().pids == pids and not result.pool_started
     assert result.timings["start"] < 5.0 and result.timings["return"] < 5.0
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref.state_dict()[name], atol=1e-4, rtol=1e-4)
 
 
 def test_rank1_error_while_rank0_waits_in_nccl(shell):

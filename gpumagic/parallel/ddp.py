@@ -554,8 +554,7 @@ def _load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, 
         for name, module in modules.items():
             module.load_state_dict(state["modules"][name])
     for name, opt in optimizers.items():
-        # The received tensors are views of a reused buffer; the optimizer may keep them as they are.
-        opt.load_state_dict(_cloned(state["optimizers"][name]))
+        opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
         if name in state["stateful"]:
             ns[name].load_state_dict(_cloned(state["stateful"][name]))
@@ -578,6 +577,23 @@ def _load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, 
 
 
 _MISSING = object()
+
+
+def _optimizer_state_to_keep(opt, sd: dict) -> dict:
+    """``sd`` whose tensors the optimizer may keep: the received ones are views of a reused buffer.
+
+    ``load_state_dict`` copies a state tensor to its parameter's GPU anyway; it keeps CPU ones
+    (and ``step``) as they are, so those are cloned here.
+    """
+    import torch
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for idx, st in sd["state"].items():
+        on_gpu = isinstance(idx, int) and idx < len(params) and params[idx].device.type != "cpu"
+        state[idx] = {k: (v.clone() if isinstance(v, torch.Tensor) and (not on_gpu or k == "step" or v.dim() == 0)
+                          else _cloned(v) if not isinstance(v, torch.Tensor) else v)
+                      for k, v in st.items()}
+    return {**sd, "state": state}
 
 
 def _equal(a, b) -> bool:
