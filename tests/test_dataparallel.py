@@ -296,6 +296,17 @@ def test_equivalence_with_single_process_training(shell):
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
 
 
+def test_second_cell_continues_from_the_first(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, ref_losses = _reference(ns, epochs=4)
+    _cell(shell, CPU2, TRAIN)
+    _cell(shell, CPU2, TRAIN)                  # momentum and weights from the first cell, via the notebook
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
+    assert len(ns["losses"]) == 16
+
+
 def test_ddp_options_keep_the_result(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
