@@ -383,6 +383,28 @@ def test_returned_tensors_survive_the_next_cell(shell):
     assert float(v) == 1.5 and float(vs[0]) == 2.5 and vs[1] == 3 and float(value) == 3.0
 
 
+def test_rank0_output_arrives_while_the_cell_runs(shell, monkeypatch):
+    run_cell(shell, SETUP.format(shuffle=False))
+    _cell(shell, CPU2, "a = model(X).shape[0]\n")           # the pool is up
+
+    class Clock:
+        def __init__(self):
+            self.seen = []
+
+        def write(self, text):
+            self.seen.append((time.monotonic(), text))
+
+        def flush(self):
+            pass
+    clock = Clock()
+    monkeypatch.setattr(sys, "stdout", clock)
+    shell.run_cell_magic("dataparallel", CPU2, "import time\nprint('early', flush=True)\ntime.sleep(1.5)\nmodel(X)\n")
+    done = time.monotonic()
+    monkeypatch.undo()
+    early = [t for t, text in clock.seen if "early" in text]
+    assert early and done - early[0] > 1.0
+
+
 def test_large_tensors_stay_in_workers_until_changed(shell):
     run_cell(shell, "import torch\nfrom torch import nn\nbig = nn.Linear(512, 512)\n"
                     "bopt = torch.optim.SGD(big.parameters(), lr=0.01)\n")
