@@ -13,6 +13,8 @@ rank: the epoch count advances on each pass, which is what
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 
@@ -50,15 +52,16 @@ class ShardedBatchSampler(Sampler):
                 share = _chunk(batch, self.rank, self.world_size)
                 yield share
         else:
-            mine = [i for n, i in enumerate(i for b in self.batch_sampler for i in b)
-                    if n % self.world_size == self.rank]
+            # Every N-th index of the epoch, taken at C speed: this runs before each epoch's first batch.
+            mine = list(itertools.islice(itertools.chain.from_iterable(self.batch_sampler), self.rank, None,
+                                         self.world_size))
             for start in range(0, len(mine), self.batch_size):
                 yield mine[start:start + self.batch_size]
 
     def __len__(self):
         if self.split == "batch":
             return len(self.batch_sampler)
-        total = sum(1 for _ in range(len(self.batch_sampler.sampler))) if hasattr(self.batch_sampler, "sampler") else 0
+        total = len(self.batch_sampler.sampler) if hasattr(self.batch_sampler, "sampler") else 0
         per_rank = (total - self.rank + self.world_size - 1) // self.world_size
         return (per_rank + self.batch_size - 1) // self.batch_size
 
