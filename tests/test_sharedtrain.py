@@ -211,7 +211,8 @@ def test_fork_trains_the_notebook_model(shell):
     hygiene.check_released(shell)
 
 
-def test_spawn_runs_notebook_classes_and_copies_the_optimizer(shell):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_fresh_workers_run_notebook_classes_and_copy_the_optimizer(shell, method):
     hygiene = Hygiene()
     run_cell(shell, SETUP + textwrap.dedent("""
         optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
@@ -221,11 +222,11 @@ def test_spawn_runs_notebook_classes_and_copies_the_optimizer(shell):
     """))
     ns = shell.user_ns
     model, weight, loss = ns["model"], ns["model"].fc1.weight.detach().clone(), ns["fixed_loss"]()
-    cell = TRAIN.format(method="spawn").replace("F.cross_entropy(model(x), y)", "step_loss(x, y)")
+    cell = TRAIN.format(method=method).replace("F.cross_entropy(model(x), y)", "step_loss(x, y)")
     cell += "big.add_(1)  # a worker's own change: never the notebook's\nprint('big', big[:3].tolist(), big.is_shared())\n"
     result, out, _ = run_cell(shell, cell)
     assert result.error_in_exec is None, out
-    trained = _check_trained(shell, model, weight, loss, "spawn")
+    trained = _check_trained(shell, model, weight, loss, method)
     assert "[rank 1] rank 1 of 2 finished" in out
     # Workers mapped one shared copy of `big` and changed it; the notebook's tensor is as it was.
     assert "[rank 0] big [" in out and "True" in out.split("[rank 0] big ")[1].split("\n")[0]
@@ -236,6 +237,89 @@ def test_spawn_runs_notebook_classes_and_copies_the_optimizer(shell):
     hygiene.check(shell, [w.pid for w in trained.workers])
     del model, trained, result
     hygiene.check_released(shell)
+
+
+FORKSERVER_CELL = """%%sharedtrain --nprocs 2 --start-method forkserver --model model
+import os, sys
+report(dynamo="torch._dynamo" in sys.modules, hogwild="gpumagic.parallel.hogwild" in sys.modules,
+       parent=os.getppid(), env=os.environ.get("GPUMAGIC_TEST_SETTING"))
+"""
+
+
+def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, monkeypatch):
+    from multiprocessing import forkserver
+    from gpumagic import session
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
+    monkeypatch.setenv("GPUMAGIC_TEST_SETTING", "first")
+    result, out, _ = run_cell(shell, FORKSERVER_CELL)
+    assert result.error_in_exec is None, out
+    first = shell.user_ns["sharedtrain"].history
+    servers = {e["parent"] for h in first for e in h}
+    assert servers == {forkserver._forkserver._forkserver_pid} == {hogwild._forkserver_pid}
+    assert "sharedtrain-forkserver" in session._closers
+    # Preloaded in the server: workers never import torch or what a first optimizer call needs.
+    assert all(e["dynamo"] and e["hogwild"] for h in first for e in h)
+    assert [e["env"] for h in first for e in h] == ["first", "first"]
+    # A later cell: the same server, and the kernel's environment as it is now.
+    monkeypatch.setenv("GPUMAGIC_TEST_SETTING", "second")
+    result, out, _ = run_cell(shell, FORKSERVER_CELL)
+    assert result.error_in_exec is None, out
+    second = shell.user_ns["sharedtrain"].history
+    assert {e["parent"] for h in second for e in h} == servers
+    assert [e["env"] for h in second for e in h] == ["second", "second"]
+    # %unload_ext gpumagic stops it.
+    server = servers.pop()
+    assert hogwild.stop_forkserver() is True
+    assert not _alive(server) and "sharedtrain-forkserver" not in session._closers
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+LAZY_IMPORT_SCRIPT = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "gpumagic")
+shell.run_cell("import sys, torch\\nmodel = torch.nn.Linear(2, 1)")
+cell = '''%%sharedtrain --nprocs 2 --start-method fork
+report(dynamo="torch._dynamo" in sys.modules)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt.zero_grad(); model(torch.ones(1, 2)).sum().backward(); opt.step()
+'''
+for n in (1, 2):
+    shell.run_cell(cell)
+    result = shell.user_ns["sharedtrain"]
+    print("cell", n, result.start_method, result.status, [h[0]["dynamo"] for h in result.history])
+"""
+
+
+def test_forked_workers_of_later_cells_inherit_what_a_first_step_imports():
+    # A fresh kernel: the first cell's workers import torch._dynamo on their first optimizer call;
+    # the kernel imports it meanwhile, so a later cell's workers already have it.
+    out = subprocess.run([sys.executable, "-c", LAZY_IMPORT_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "cell 1 fork done [False, False]" in out.stdout, out.stdout + out.stderr
+    assert "cell 2 fork done [True, True]" in out.stdout, out.stdout + out.stderr
+
+
+def test_gpu_values_reported_are_read_when_sent():
+    # report() keeps a copy of a non-CPU tensor and reads it at the next send (no wait per step);
+    # CPU tensors become numbers at once.
+    sent = []
+
+    class Conn:
+        def send(self, message):
+            sent.append(message)
+
+    channel = hogwild._Channel(Conn(), rank=0, t0=time.monotonic())
+    channel.report(loss=torch.tensor(0.5), ids=torch.arange(3), note="x")
+    entry = channel.buffer[-1] if channel.buffer else sent[-1][2][4][-1]
+    assert entry["loss"] == 0.5 and entry["ids"] == [0, 1, 2] and entry["note"] == "x"
+    entries = [{"step": 1, "time": 0.0, "loss": torch.tensor([1.5, 2.5]), "one": torch.tensor([4.0])}]
+    hogwild._resolve(entries)
+    assert entries == [{"step": 1, "time": 0.0, "loss": [1.5, 2.5], "one": 4.0}]
+    meta = torch.ones((), device="meta")
+    kept = hogwild._plain("loss", meta, defer=True)
+    assert isinstance(kept, torch.Tensor) and kept is not meta and kept.device.type == "meta"
 
 
 # --------------------------------------------------------------------------- endings
@@ -322,7 +406,7 @@ shell.run_line_magic("load_ext", "gpumagic")
 shell.run_cell("import torch, torch.nn as nn\\nmodel = nn.Linear(4, 2)")
 shell.run_cell('''%%sharedtrain --nprocs 2 --start-method {method}
 import os, time
-print("pid", os.getpid(), flush=True)
+print("pid", os.getpid(), "parent", os.getppid(), flush=True)
 while True:
     model(torch.randn(2, 4)).sum().backward()
     time.sleep(0.01)
@@ -330,12 +414,12 @@ while True:
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_killed_kernel_leaves_no_workers(method):
     kernel = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT.format(method=method)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env={**os.environ, "PYTHONPATH": ROOT})
-    pids = []
+    pids, parents = [], set()
     try:
         deadline = time.monotonic() + 60
         while len(pids) < 2 and time.monotonic() < deadline:
@@ -343,16 +427,21 @@ def test_killed_kernel_leaves_no_workers(method):
             if not line:
                 break
             if "] pid " in line:
-                pids.append(int(line.rsplit(" ", 1)[1]))
+                words = line.split()
+                pids.append(int(words[-3]))
+                parents.add(int(words[-1]))
         assert len(pids) == 2, "the workers did not start"
         assert all(_alive(p) for p in pids)
     finally:
         kernel.kill()
         kernel.wait()
+    # Under forkserver the workers' parent is the server: it must go too.
+    gone = pids + sorted(parents - {kernel.pid})
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_alive(p) for p in gone) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), "workers outlived their kernel"
+    assert not any(_alive(p) for p in gone), "the fork server outlived its kernel"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -424,11 +513,14 @@ def test_start_method_is_fork_only_where_safe():
             _FakeThread("Heartbeat", cls_module="ipykernel.heartbeat")]
     assert hogwild.choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
     user = safe + [_FakeThread("Thread-9 (poll)", target=_helper_pids)]
+    # Where fork is unsafe on Linux, a fork server with torch imported starts the workers.
     method, why = hogwild.choose_start_method(None, "cpu", False, user, "linux")
-    assert method == "spawn" and "'Thread-9 (poll)'" in why
-    assert hogwild.choose_start_method(None, "cpu", True, safe, "linux")[0] == "spawn"
+    assert method == "forkserver" and "'Thread-9 (poll)'" in why and "fork server" in why
+    assert hogwild.choose_start_method(None, "cpu", True, safe, "linux")[0] == "forkserver"
+    method, why = hogwild.choose_start_method(None, "cuda:0", False, safe, "linux")
+    assert method == "forkserver" and "cuda:0" in why
     assert hogwild.choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
-    assert hogwild.choose_start_method(None, "cuda:0", False, safe, "linux")[0] == "spawn"
+    assert hogwild.choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
     assert hogwild.choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
     with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; valid choices: spawn"):
         hogwild.choose_start_method("fork", "cuda:1", True, safe, "linux")

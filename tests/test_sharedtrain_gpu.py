@@ -88,12 +88,15 @@ def test_four_workers_train_the_model_on_cuda0_and_leave_nothing(shell):
     assert all(p.device == torch.device("cuda:0") for p in model.parameters())
     assert not torch.equal(model[0].weight.detach().cpu(), weight)
     assert ns["fixed_loss"]() < loss_before - 0.1
-    assert trained.start_method == "spawn" and trained.device == "cuda:0" and trained.nprocs == 4
+    # CUDA workers need a process of their own: on Linux from the fork server (torch already imported).
+    assert trained.start_method == "forkserver" and trained.device == "cuda:0" and trained.nprocs == 4
     assert [w.state for w in trained.workers] == ["done"] * 4
     assert all(w.exitcode == 0 for w in trained.workers)
     # 4096 samples / 4 workers / 64 per batch = 16 batches each, per epoch.
     assert [len(h) for h in trained.history] == [32] * 4
     assert all(e["on"] == "cuda:0" for h in trained.history for e in h)
+    # report(loss=<CUDA tensor>) is read when the reports are sent, and arrives as a number.
+    assert all(isinstance(e["loss"], float) and e["loss"] == e["loss"] for h in trained.history for e in h)
     assert ns["optimizer"].state == {}  # workers stepped their own copies
     for w in trained.workers:
         assert not _alive(w.pid), f"worker {w.pid} outlived the run"
@@ -123,9 +126,24 @@ for x, y in loader:
     assert isinstance(error, WorkerError), out
     assert error.rank == 2 and "rank 2 stops on cuda:0" in error.message and "line 7" in error.remote_traceback
     partial = shell.user_ns["sharedtrain"]
-    assert partial.start_method == "spawn" and "CUDA" in partial.start_reason
+    assert partial.start_method == "forkserver" and "CUDA" in partial.start_reason
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(8, 32, device="cuda:0"))).all()
     for w in partial.workers:
         assert not _alive(w.pid)
+    assert _children() <= before_children
+
+
+def test_spawn_on_request_trains_on_cuda0(shell):
+    before_children = _children()
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    loss_before = ns["fixed_loss"]()
+    result, out, _ = run_cell(shell, TRAIN.format(epochs=1).replace("--nprocs 4", "--nprocs 2 --start-method spawn"))
+    assert result.error_in_exec is None, out
+    trained = ns["sharedtrain"]
+    assert trained.start_method == "spawn" and [w.state for w in trained.workers] == ["done"] * 2
+    assert [len(h) for h in trained.history] == [32] * 2   # 4096 / 2 workers / 64 per batch
+    assert all(isinstance(e["loss"], float) for h in trained.history for e in h)
+    assert ns["fixed_loss"]() < loss_before
     assert _children() <= before_children

@@ -265,7 +265,7 @@ class SharedTrainMagics(Magics):
               help="cpu or cuda:N: where the shared model lives (default: where it is); "
                    "in the cell, `device` is this device")
     @argument("--start-method", dest="start_method", default=None, choices=["spawn", "fork", "forkserver"],
-              help="how workers start (default: fork where safe, else spawn)")
+              help="how workers start (default: fork where safe, else forkserver on Linux, spawn elsewhere)")
     @argument("--seed", type=int, default=None, metavar="S",
               help="worker `rank` seeds its generators with S + rank; loaders shuffle with S "
                    "(default: drawn from the notebook's torch generator)")

@@ -20,14 +20,17 @@ function, as PyTorch's ``mnist_hogwild`` example does by hand:
   updated by several processes without locks would be a race on every
   element, and each worker's moments describe its own gradient stream.
 
-Workers start with ``fork`` where that is safe and ``spawn`` otherwise; the
-choice is explicit, never the platform default. Spawned workers get the
-cell as an AST (tracebacks keep the user's line numbers), notebook values by
-cloudpickle (notebook classes and functions travel by value) and shared
-tensors through torch's multiprocessing reducers. A notebook tensor over
-1 MiB (a dataset) is copied once into shared memory and mapped by every
-spawned worker instead of being pickled into each; the notebook's own
-tensor is never touched.
+Workers start with ``fork`` where that is safe; otherwise, on Linux, from a
+fork server that imported torch (and ``torch._dynamo``, which a first
+optimizer call imports) once and is kept for later cells, and elsewhere with
+``spawn``. The choice is explicit, never the platform default. Spawned and
+fork-server workers get the cell as an AST (tracebacks keep the user's line
+numbers), notebook values by cloudpickle (notebook classes and functions
+travel by value), the kernel's current environment, and shared tensors
+through torch's multiprocessing reducers. A notebook tensor over 1 MiB (a
+dataset) is copied once into shared memory and mapped by every such worker
+instead of being pickled into each; the notebook's own tensor is never
+touched.
 
 In a notebook the magic is the way in::
 
@@ -335,11 +338,14 @@ def fork_unsafe_threads(threads=None) -> list:
 
 def choose_start_method(requested: str | None, device: str, cuda_initialized: bool | None = None,
                         threads=None, platform: str | None = None) -> tuple[str, str]:
-    """``(method, reason)``: the requested method, else fork where safe, else spawn.
+    """``(method, reason)``: the requested method, else fork where safe, else a fresh process.
 
     Fork is safe when CUDA is not initialised in the kernel (a CUDA context
     does not survive fork), the model is on the CPU, no other thread could
-    hold a lock, and the platform forks cleanly (not macOS).
+    hold a lock, and the platform forks cleanly (not macOS). Otherwise workers
+    need a fresh process: on Linux ``forkserver``, whose server imports torch
+    once and then forks clean workers for this and every later cell (spawn
+    imports torch again in every worker of every cell); elsewhere ``spawn``.
     """
     from ..devices import torch_cuda_initialized
     import multiprocessing as mp
@@ -352,17 +358,21 @@ def choose_start_method(requested: str | None, device: str, cuda_initialized: bo
             raise usage_error(f"--start-method fork cannot be used with a model on {device}: CUDA does not "
                               "survive fork", [m for m in ("spawn", "forkserver") if m in available])
         return requested, "requested"
+    platform = platform or sys.platform
+    fresh = "forkserver" if platform.startswith("linux") and "forkserver" in available else "spawn"
+    how = ("a fork server that has torch imported starts them (kept for later cells)" if fresh == "forkserver"
+           else "they start a fresh Python")
     if device.startswith("cuda"):
-        return "spawn", f"the model is on {device}; CUDA workers need spawn"
+        return fresh, f"the model is on {device}: CUDA workers need a process of their own, so {how}"
     cuda_initialized = torch_cuda_initialized() if cuda_initialized is None else cuda_initialized
     if cuda_initialized:
-        return "spawn", "CUDA is initialised in this kernel, and would be unusable after fork"
-    if (platform or sys.platform) == "darwin" or "fork" not in available:
+        return fresh, f"CUDA is initialised in this kernel, and would be unusable after fork, so {how}"
+    if platform == "darwin" or "fork" not in available:
         return "spawn", "fork is not safe on this platform"
     unsafe = fork_unsafe_threads(threads)
     if unsafe:
         names = ", ".join(repr(t.name) for t in unsafe[:3])
-        return "spawn", f"thread(s) {names} are running and could hold a lock across fork"
+        return fresh, f"thread(s) {names} are running and could hold a lock across fork, so {how}"
     return "fork", "no CUDA in the kernel and no thread that could hold a lock across fork, so fork is safe and fastest"
 
 
@@ -757,6 +767,7 @@ class _Spec:
     code: object = None
     blob: _FdHandle | None = None
     shared: list | None = None
+    env: dict | None = None    # forkserver: the kernel's environment now, not when the server started
 
 
 # --------------------------------------------------------------------------- the worker
@@ -785,7 +796,7 @@ class _Channel:
 
     def report(self, step=None, **values) -> None:
         """Send ``values`` (numbers, strings, lists of them, 0-d tensors) to the notebook."""
-        entry = {k: _plain(k, v) for k, v in values.items()}
+        entry = {k: _plain(k, v, defer=True) for k, v in values.items()}
         self.reports += 1
         now = time.monotonic()
         if step is None:
@@ -800,6 +811,7 @@ class _Channel:
         now = time.monotonic() if now is None else now
         self.last_flush = now
         entries, self.buffer = self.buffer, []
+        _resolve(entries)
         steps = self.steps if self.counting else self.reports
         self.send(("tick", self.rank, (steps, self.samples, self.first, now - self.t0, entries)))
 
@@ -814,11 +826,15 @@ class _Channel:
             os._exit(1)
 
 
-def _plain(key, value):
+def _plain(key, value, defer: bool = False):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
         value = value.detach()
+        if defer and value.device.type != "cpu":
+            # Reading a GPU value waits for the GPU: a copy taken now (queued, not waited for) is
+            # read when the reports are sent, so report(loss=loss) every step does not stall each step.
+            return value.clone()
         return value.item() if value.numel() == 1 else value.cpu().tolist()
     if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars and arrays
         return value.item() if getattr(value, "size", 2) == 1 else value.tolist()
@@ -834,6 +850,14 @@ def _plain(key, value):
         pass
     raise TypeError(f"report({key}=...) takes numbers, strings, tensors or lists of them, "
                     f"not {type(value).__name__}")
+
+
+def _resolve(entries: list) -> None:
+    """Turn the GPU tensors ``report()`` kept into numbers and lists, in place."""
+    for entry in entries:
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = _plain(key, value)
 
 
 def _batch_len(batch) -> int:
@@ -973,12 +997,52 @@ def _private_state(optimizer) -> None:
                 state[key] = value.clone()
 
 
+def _watch_kernel() -> None:
+    """Under forkserver: end this worker (and its group) when the kernel dies.
+
+    Its parent is the fork server, which stays up while any worker holds its
+    "alive" pipe, so a parent-death signal alone would never come. The
+    pipe multiprocessing keeps from the kernel (``parent_process().sentinel``)
+    reaches end-of-file when the kernel dies, whatever kills it.
+    """
+    import multiprocessing
+    from multiprocessing.connection import wait
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    if sentinel is None:
+        return
+
+    def watch():
+        try:
+            wait([sentinel])
+        except Exception:
+            return
+        _signal_group(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="sharedtrain-kernel-watch", daemon=True).start()
+    # That thread only waits on a pipe: a DataLoader that forks its own workers from here is safe.
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+
+
+def _adopt_environment(env: dict) -> None:
+    """The kernel's environment as it is now (CUDA_VISIBLE_DEVICES set in a cell, say), before CUDA starts."""
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
 def _worker_main(rank: int, world: int, spec: _Spec, conn, parent_pid: int | None) -> None:
-    workers.die_with_parent(parent_pid)
+    if spec.method == "forkserver":
+        workers.die_with_parent(os.getppid())  # the server: if it goes, so does this worker
+        _watch_kernel()
+    else:
+        workers.die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # its own group, so stopping it also stops any DataLoader workers it starts
     except OSError:
         pass
+    if spec.env is not None:
+        _adopt_environment(spec.env)
     # The kernel decides when to stop; a terminal's Ctrl-C reaches it, not every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -1107,6 +1171,107 @@ def _bare_main(method: str):
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+# What a worker's first optimizer call imports (``torch._dynamo``, over a second of CPU): the fork
+# server imports it once up front, and a forking kernel imports it once for all later cells.
+_LAZY_TORCH_MODULES = ("torch._dynamo",)
+_forkserver_pid: int | None = None   # the fork server this module started, stopped on %unload_ext
+
+
+def _prepare_forkserver(ctx) -> int | None:
+    """Have the fork server start with torch, this module and torch._dynamo imported.
+
+    The preload list only matters when the server starts: one that something
+    else in the kernel started keeps its own, and workers then import what
+    they need themselves. Returns the running server's pid (None: none yet).
+    """
+    from multiprocessing import forkserver
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        ctx.set_forkserver_preload([__name__, *_LAZY_TORCH_MODULES])
+    return pid
+
+
+def _adopt_forkserver(before: int | None) -> None:
+    """Remember a fork server this run started, to stop it on ``%unload_ext gpumagic``.
+
+    Ours when none ran before, or when ours had died and multiprocessing
+    started another (with the same preload list).
+    """
+    global _forkserver_pid
+    from multiprocessing import forkserver
+    from .. import session
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None and pid != before and (before is None or before == _forkserver_pid):
+        _forkserver_pid = pid
+        session.register_closer("sharedtrain-forkserver", stop_forkserver)
+
+
+def stop_forkserver(timeout: float = 2.0) -> bool:
+    """Stop the fork server ``%%sharedtrain`` started, if it still runs; True if one was stopped.
+
+    Closing its "alive" pipe asks it to exit once no worker holds that pipe;
+    one that is still up after ``timeout`` is terminated.
+    """
+    global _forkserver_pid
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    from .. import session
+    pid, _forkserver_pid = _forkserver_pid, None
+    session.unregister_closer("sharedtrain-forkserver")
+    if pid is None or getattr(server, "_forkserver_pid", None) != pid:
+        return False
+    with getattr(server, "_lock", threading.Lock()):
+        alive_fd = server._forkserver_alive_fd
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    try:
+        os.close(alive_fd)
+    except (OSError, TypeError):
+        pass
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            return True
+        time.sleep(0.02)
+
+
+def _import_lazy_torch_modules() -> None:
+    """Import in the kernel, once, what workers import on their first optimizer call.
+
+    Run after the first forked workers started (they import it themselves,
+    in parallel), so every later cell's workers inherit it instead of each
+    paying over a second of CPU before their first update. An interrupt
+    meanwhile is held until the import is over, then raised.
+    """
+    missing = [name for name in _LAZY_TORCH_MODULES if name not in sys.modules]
+    if not missing:
+        return
+    main = threading.current_thread() is threading.main_thread()
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True)) if main else None
+    try:
+        for name in missing:
+            try:
+                __import__(name)
+            except Exception:
+                pass  # an optional speed-up only
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _start_worker(ctx, method: str, rank: int, world: int, spec: _Spec):
@@ -1241,9 +1406,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         The notebook name of the module to share; default the modules the cell uses.
     device : str, optional
         ``cpu`` or ``cuda:N``; the shared model moves there (CUDA workers use
-        CUDA IPC and start with spawn). Default: where the model is.
+        CUDA IPC and start from a fork server or with spawn). Default: where the model is.
     start_method : {"fork", "spawn", "forkserver"}, optional
-        Default fork where safe, else spawn (see :func:`choose_start_method`).
+        Default fork where safe, else forkserver on Linux and spawn elsewhere
+        (see :func:`choose_start_method`).
     seed : int, optional
         Worker ``rank`` seeds torch, random and numpy with ``seed + rank``;
         loaders shuffle with ``seed``. Default: drawn from the notebook's torch
@@ -1339,8 +1505,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                                device=device_name, seed=seed, sharing_strategy=strategy, history=history,
                                workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
     ctx = mp.get_context(method)
+    server_before = None
     if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])  # workers fork from a server that has torch imported
+        spec.env = dict(os.environ)
+        server_before = _prepare_forkserver(ctx)
     run = _Run(result, progress, output)
     processes, conns = [], []
     try:
@@ -1352,6 +1520,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         if blob_fd is not None:
             os.close(blob_fd)  # every worker has its own descriptor now
             blob_fd = None
+        if method == "forkserver":
+            _adopt_forkserver(server_before)
+        elif method == "fork":
+            _import_lazy_torch_modules()
         run.tick(force=True)
         _wait(run, processes, conns)
         result.status = "done"
