@@ -13,7 +13,6 @@ import sys
 import time
 import traceback
 
-from .errors import WorkerError
 
 __all__ = ["die_with_parent", "exception_info", "raise_worker_error", "reap", "dumps", "loads"]
 
@@ -74,6 +73,7 @@ def _cell_label(line: str) -> str:
 
 def raise_worker_error(info: dict):
     """Raise the :class:`WorkerError` described by ``info`` (from :func:`exception_info`)."""
+    from .errors import WorkerError  # here, not at the top: worker processes need no IPython
     raise WorkerError(info["rank"], info.get("pid"), info["exc_type"], info["message"], info.get("traceback", ""))
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
+from gpumagic import sharedtrain_worker
 from gpumagic.errors import WorkerError
 from gpumagic.parallel import hogwild
 from tests.conftest import ROOT, run_cell
@@ -241,8 +242,8 @@ def test_fresh_workers_run_notebook_classes_and_copy_the_optimizer(shell, method
 
 FORKSERVER_CELL = """%%sharedtrain --nprocs 2 --start-method forkserver --model model
 import os, sys
-report(dynamo="torch._dynamo" in sys.modules, hogwild="gpumagic.parallel.hogwild" in sys.modules,
-       parent=os.getppid(), env=os.environ.get("GPUMAGIC_TEST_SETTING"))
+report(dynamo="torch._dynamo" in sys.modules, worker="gpumagic.sharedtrain_worker" in sys.modules,
+       ipython="IPython" in sys.modules, parent=os.getppid(), env=os.environ.get("GPUMAGIC_TEST_SETTING"))
 """
 
 
@@ -257,8 +258,9 @@ def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, mo
     servers = {e["parent"] for h in first for e in h}
     assert servers == {forkserver._forkserver._forkserver_pid} == {hogwild._forkserver_pid}
     assert "sharedtrain-forkserver" in session._closers
-    # Preloaded in the server: workers never import torch or what a first optimizer call needs.
-    assert all(e["dynamo"] and e["hogwild"] for h in first for e in h)
+    # Preloaded in the server: workers never import torch or what a first optimizer call needs,
+    # and nothing made them import IPython.
+    assert all(e["dynamo"] and e["worker"] and not e["ipython"] for h in first for e in h)
     assert [e["env"] for h in first for e in h] == ["first", "first"]
     # A later cell: the same server, and the kernel's environment as it is now.
     monkeypatch.setenv("GPUMAGIC_TEST_SETTING", "second")
@@ -310,15 +312,15 @@ def test_gpu_values_reported_are_read_when_sent():
         def send(self, message):
             sent.append(message)
 
-    channel = hogwild._Channel(Conn(), rank=0, t0=time.monotonic())
+    channel = sharedtrain_worker._Channel(Conn(), rank=0, t0=time.monotonic())
     channel.report(loss=torch.tensor(0.5), ids=torch.arange(3), note="x")
     entry = channel.buffer[-1] if channel.buffer else sent[-1][2][4][-1]
     assert entry["loss"] == 0.5 and entry["ids"] == [0, 1, 2] and entry["note"] == "x"
     entries = [{"step": 1, "time": 0.0, "loss": torch.tensor([1.5, 2.5]), "one": torch.tensor([4.0])}]
-    hogwild._resolve(entries)
+    sharedtrain_worker._resolve(entries)
     assert entries == [{"step": 1, "time": 0.0, "loss": [1.5, 2.5], "one": 4.0}]
     meta = torch.ones((), device="meta")
-    kept = hogwild._plain("loss", meta, defer=True)
+    kept = sharedtrain_worker._plain("loss", meta, defer=True)
     assert isinstance(kept, torch.Tensor) and kept is not meta and kept.device.type == "meta"
 
 
