@@ -276,6 +276,35 @@ def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, mo
     assert forkserver._forkserver._forkserver_pid is None
 
 
+def test_where_fork_is_unsafe_later_cells_start_from_the_fork_server(shell):
+    hogwild.stop_forkserver()
+    stop = threading.Event()
+    poller = threading.Thread(target=stop.wait, name="user-poller")  # a thread fork is not safe with
+    poller.start()
+    try:
+        run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
+        cell = "%%sharedtrain --nprocs 2 --model model\nimport os\nreport(parent=os.getppid())\n"
+        result, out, _ = run_cell(shell, cell)
+        assert result.error_in_exec is None, out
+        first = shell.user_ns["sharedtrain"]
+        # The server is not up yet: this cell spawns (sooner than waiting for the server to import
+        # torch), and the server starts when the cell ends.
+        assert first.start_method == "spawn" and "'user-poller'" in first.start_reason
+        assert "server starts when the cell ends" in first.start_reason
+        assert {e["parent"] for h in first.history for e in h} == {os.getpid()}
+        server = hogwild._forkserver_pid
+        assert server is not None and _alive(server)
+        result, out, _ = run_cell(shell, cell)
+        assert result.error_in_exec is None, out
+        second = shell.user_ns["sharedtrain"]
+        assert second.start_method == "forkserver" and "fork server" in second.start_reason
+        assert {e["parent"] for h in second.history for e in h} == {server}
+    finally:
+        stop.set()
+        poller.join()
+        hogwild.stop_forkserver()
+
+
 LAZY_IMPORT_SCRIPT = """
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()

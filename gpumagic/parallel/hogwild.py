@@ -829,6 +829,24 @@ def _adopt_forkserver(before: int | None) -> None:
         session.register_closer("sharedtrain-forkserver", stop_forkserver)
 
 
+def _forkserver_running() -> bool:
+    from multiprocessing import forkserver
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+
+
+def _start_forkserver() -> None:
+    """Start the fork server now, in the background: it imports torch while the notebook goes on."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+    try:
+        before = _prepare_forkserver(mp.get_context("forkserver"))
+        with _bare_main("forkserver"):
+            forkserver.ensure_running()
+        _adopt_forkserver(before)
+    except Exception:
+        pass  # later cells start it when they need it, and report what goes wrong then
+
+
 def stop_forkserver(timeout: float = 2.0) -> bool:
     """Stop the fork server ``%%sharedtrain`` started, if it still runs; True if one was stopped.
 
@@ -1072,6 +1090,13 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         from ..devices import torch_cuda_initialized
         if torch_cuda_initialized():
             reason = "requested; CUDA is initialised in this kernel, so workers must not touch CUDA"
+    start_server_after = method == "forkserver" and start_method is None and not _forkserver_running()
+    if start_server_after:
+        # A server that is only now starting would make this cell wait for it to import torch
+        # and torch._dynamo; spawned workers take their first step about a second sooner.
+        method = "spawn"
+        reason += ("; it is not running yet, so this cell's workers start with spawn and the server "
+                   "starts when the cell ends")
     notes: list[str] = []
     if crowded:
         from ..display import note
@@ -1176,5 +1201,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                 torch.cuda.ipc_collect()
             result.seconds = time.monotonic() - started
             run.tick(force=True)
+            if start_server_after:
+                _start_forkserver()
     return result
 
