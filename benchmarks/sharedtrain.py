@@ -11,31 +11,47 @@ at batch 64, on MNIST-sized random data (``--samples`` rows of 784 floats,
   ``InteractiveShell`` with ``--start-method fork``, the notebook's loader
   sharded by the magic, the notebook's SGD copied per worker.
 
-Both time themselves the same way inside the workers: samples/s is all
-workers' samples over the time from the first batch in any worker to the end
-of the last worker's loop (start-up excluded). Each is run ``--repeats``
-times, alternating, and the best is kept. Then the time from cell start to
-the first step is measured for the magic with ``fork`` and with ``spawn``.
+Both fork from this process, use one torch thread per worker and the same
+environment, and time themselves the same way inside the workers:
+samples/s is all workers' samples over the time from the first batch in any
+worker to the end of the last worker's loop (start-up excluded); CPU time
+per sample is the workers' own CPU time over the same stretch, which a busy
+machine disturbs much less than wall time. Runs are interleaved: ``--pairs``
+rounds, each running one hand-written and one magic run for every N, the
+order within a pair alternating from round to round, so that drifts of the
+machine fall on both alike. The ratio is the median of the pairs' ratios.
+
+Start-up is measured in a fresh kernel (a new Python process) for each N, as
+a person meets it, with cells that train 20 batches: fork (the first cell,
+then a later one); spawn; and the automatic choice where fork is unsafe (a
+thread of the notebook's own is running, as when CUDA is initialised): its
+first cell spawns and starts the fork server as it ends, the next cell run
+right away may wait for the server to finish importing, a later one starts
+from it. For each: seconds from running the cell to the cell starting in the
+first worker, to the first batch in any worker ("first step", what the
+floors are about) and until every worker has finished its first optimizer
+step ("all updating": it includes the second or so a first optimizer call
+spends importing ``torch._dynamo`` where nothing imported it before). A fresh
+Python's ``import torch`` is timed too: no spawned worker can start sooner.
 
 Floors: %%sharedtrain >= 0.95 x hand-written at each N; first step < 1 s
 with fork and < 3 s with spawn.
 
-One thread per worker in both: Hogwild's parallelism is the processes, and
-letting each of N workers use every core would oversubscribe the machine and
-compare thread schedulers rather than the launchers.
-
 Run from the repository root::
 
-    python benchmarks/sharedtrain.py                      # N = 1, 2, 4, 8 (capped), 60000 samples
-    python benchmarks/sharedtrain.py --samples 20000 --repeats 3 --no-record
+    python benchmarks/sharedtrain.py                       # N = 1, 2, 4, 8 (capped)
+    python benchmarks/sharedtrain.py --nprocs 1,2 --pairs 3 --no-record
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
+import statistics
+import subprocess
 import sys
 import time
 
@@ -53,6 +69,7 @@ from gpumagic.display import text_table  # noqa: E402
 
 BATCH = 64
 FORK_FLOOR, SPAWN_FLOOR, RATIO_FLOOR = 1.0, 3.0, 0.95
+STARTUP_BATCHES = 20
 
 
 class Net(nn.Module):
@@ -83,16 +100,16 @@ def _hand_train(rank, world, model, dataset, seed, conn):
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     model.train()
-    first, count = None, 0
+    first, count, cpu = None, 0, 0.0
     for data, target in loader:
         if first is None:
-            first = time.monotonic()
+            first, cpu = time.monotonic(), time.process_time()
         optimizer.zero_grad()
         loss = F.nll_loss(model(data), target)
         loss.backward()
         optimizer.step()
         count += len(data)
-    conn.send((first, time.monotonic(), count))
+    conn.send((first, time.monotonic(), count, time.process_time() - cpu))
     conn.close()
 
 
@@ -120,7 +137,9 @@ def _rates(stats, start) -> dict:
     first = min(s[0] for s in stats if s[0] is not None)
     end = max(s[1] for s in stats)
     total = sum(s[2] for s in stats)
-    return {"samples_per_s": total / (end - first), "first_step": first - start, "samples": total}
+    cpu = sum(s[3] for s in stats)
+    return {"samples_per_s": total / (end - first), "first_step": first - start, "samples": total,
+            "cpu_us_per_sample": 1e6 * cpu / total}
 
 
 # --------------------------------------------------------------------------- %%sharedtrain
@@ -128,16 +147,35 @@ def _rates(stats, start) -> dict:
 CELL = """%%sharedtrain --nprocs {nprocs} --start-method {method} --seed 1
 import time
 model.train()
-first, count = None, 0
+first, count, cpu = None, 0, 0.0
 for data, target in train_loader:
+    if first is None:
+        first, cpu = time.monotonic(), time.process_time()
+    optimizer.zero_grad()
+    loss = F.nll_loss(model(data), target)
+    loss.backward()
+    optimizer.step()
+    count += len(data)
+report(first=first, end=time.monotonic(), samples=count, cpu=time.process_time() - cpu)
+"""
+
+# Start-up: when the cell began, its first batch, and the end of its first optimizer step.
+STARTUP_CELL = """%%sharedtrain --nprocs {nprocs}{method} --seed 1
+import time
+ready = time.monotonic()
+first = updated = None
+for i, (data, target) in enumerate(train_loader):
     if first is None:
         first = time.monotonic()
     optimizer.zero_grad()
     loss = F.nll_loss(model(data), target)
     loss.backward()
     optimizer.step()
-    count += len(data)
-report(first=first, end=time.monotonic(), samples=count)
+    if updated is None:
+        updated = time.monotonic()
+    if i + 1 == {batches}:
+        break
+report(ready=ready, first=first, updated=updated)
 """
 
 
@@ -148,7 +186,7 @@ def make_shell():
     return shell
 
 
-def magic(shell, nprocs: int, dataset, method: str = "fork", seed: int = 1) -> dict:
+def _run_cell(shell, nprocs: int, dataset, source: str, seed: int = 1):
     from IPython.utils.capture import capture_output
     torch.manual_seed(seed)
     model = Net()
@@ -157,13 +195,92 @@ def magic(shell, nprocs: int, dataset, method: str = "fork", seed: int = 1) -> d
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5))
     start = time.monotonic()
     with capture_output() as cap:
-        result = shell.run_cell(CELL.format(nprocs=nprocs, method=method))
+        result = shell.run_cell(source)
     if result.error_in_exec is not None:
         print(cap.stdout, cap.stderr)
         raise result.error_in_exec
-    history = shell.user_ns["sharedtrain"].history
-    stats = [(h[-1]["first"], h[-1]["end"], h[-1]["samples"]) for h in history]
+    return start, shell.user_ns["sharedtrain"]
+
+
+def magic(shell, nprocs: int, dataset, method: str = "fork") -> dict:
+    start, result = _run_cell(shell, nprocs, dataset, CELL.format(nprocs=nprocs, method=method))
+    stats = [(h[-1]["first"], h[-1]["end"], h[-1]["samples"], h[-1]["cpu"]) for h in result.history]
     return _rates(stats, start)
+
+
+def startup(shell, nprocs: int, dataset, method: str | None) -> dict:
+    flag = f" --start-method {method}" if method else ""
+    start, result = _run_cell(shell, nprocs, dataset,
+                              STARTUP_CELL.format(nprocs=nprocs, method=flag, batches=STARTUP_BATCHES))
+    last = [h[-1] for h in result.history]
+    return {"ready": min(e["ready"] for e in last) - start, "first": min(e["first"] for e in last) - start,
+            "updating": max(e["updated"] for e in last) - start, "method": result.start_method}
+
+
+STARTUP_SEQUENCE = [("fork", "fork, first cell"), ("fork", "fork, later cell"), ("spawn", "spawn"),
+                    (None, "fork unsafe, first cell"), (None, "fork unsafe, next cell at once"),
+                    (None, "fork unsafe, later cell")]
+
+
+def startup_child(nprocs: int, samples: int) -> None:
+    """In a fresh kernel: the start-up cells in order; one JSON line on stdout."""
+    import threading
+    dataset = make_dataset(samples)
+    shell = make_shell()
+    out = []
+    stop = threading.Event()
+    for method, label in STARTUP_SEQUENCE:
+        if method is None and not stop.is_set() and threading.active_count() == 1:
+            # A thread of the notebook's own makes fork unsafe, as CUDA in the kernel would.
+            threading.Thread(target=stop.wait, name="notebook-thread", daemon=True).start()
+        out.append({"label": label, **startup(shell, nprocs, dataset, method)})
+    stop.set()
+    from gpumagic.parallel import hogwild
+    hogwild.stop_forkserver()
+    sys.__stdout__.write("STARTUP " + json.dumps(out) + "\n")
+
+
+def fresh_python(code: str) -> float:
+    """Seconds from starting a new Python to the end of ``code`` in it (best of two)."""
+    best = float("inf")
+    for _ in range(2):
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", f"{code}\nimport time; print(time.monotonic())"],
+                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        best = min(best, float(out.stdout.split()[-1]) - start)
+    return best
+
+
+def startup_in_fresh_kernel(nprocs: int, samples: int) -> list[dict]:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--startup-child", str(nprocs),
+                          "--samples", str(samples)], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("STARTUP ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"start-up run for N={nprocs} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("STARTUP "):])
+
+
+def report_cost(calls: int = 20000) -> tuple[float, float]:
+    """Microseconds per ``report(loss=loss)`` and per counted batch, in a worker's channel."""
+    from gpumagic import sharedtrain_worker
+
+    class Sink:
+        def send(self, message):
+            pass
+
+    channel = sharedtrain_worker._Channel(Sink(), rank=0, t0=time.monotonic())
+    loss = torch.tensor(2.3)
+    batch = [torch.zeros(BATCH, 784), torch.zeros(BATCH, dtype=torch.long)]
+    start = time.perf_counter()
+    for _ in range(calls):
+        channel.report(loss=loss)
+    per_report = (time.perf_counter() - start) / calls * 1e6
+    channel.counting = True
+    start = time.perf_counter()
+    for _ in range(calls):
+        channel.step(batch)
+    return per_report, (time.perf_counter() - start) / calls * 1e6
 
 
 # --------------------------------------------------------------------------- the run
@@ -177,57 +294,124 @@ def machine() -> str:
     return f"{where}; {platform.node()}; torch {torch.__version__}; Python {platform.python_version()}"
 
 
-def record(header, rows, command: str, extra: list[str]) -> None:
+def record(tables, command: str, extra: list[str]) -> None:
     path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n### sharedtrain.py, {stamp}", f"- machine: {machine()}", f"- command: `{command}`", *extra, "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines = [f"\n### sharedtrain.py, {stamp}", f"- machine: {machine()}", f"- command: `{command}`", *extra]
+    for header, rows in tables:
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
     print(f"\nappended to {os.path.relpath(path)}")
 
 
+def _median(values):
+    return statistics.median(values)
+
+
+def throughput(counts, dataset, shell, pairs: int) -> tuple[list, list, bool]:
+    header = ["N", "hand-written samples/s", "%%sharedtrain samples/s", "ratio (median of pairs)",
+              "pair ratios", "CPU us/sample hand / magic", "floor"]
+    # One discarded pair first: page faults on the dataset, first forks, first imports.
+    hand_written(counts[0], dataset)
+    magic(shell, counts[0], dataset)
+    runs = {n: ([], []) for n in counts}
+    for round_ in range(pairs):
+        for n in counts:
+            hand, mine = runs[n]
+            if round_ % 2 == 0:
+                hand.append(hand_written(n, dataset))
+                mine.append(magic(shell, n, dataset))
+            else:
+                mine.append(magic(shell, n, dataset))
+                hand.append(hand_written(n, dataset))
+        done = ", ".join(f"N={n} {runs[n][1][-1]['samples_per_s'] / runs[n][0][-1]['samples_per_s']:.3f}"
+                         for n in counts)
+        print(f"round {round_ + 1}/{pairs}: ratios {done}", flush=True)
+    rows, failed = [], False
+    for n in counts:
+        hand, mine = runs[n]
+        ratios = sorted(m["samples_per_s"] / h["samples_per_s"] for h, m in zip(hand, mine))
+        ratio = _median(ratios)
+        ok = ratio >= RATIO_FLOOR
+        failed |= not ok
+        rows.append([n, f"{_median([r['samples_per_s'] for r in hand]):.0f}",
+                     f"{_median([r['samples_per_s'] for r in mine]):.0f}", f"{ratio:.3f}",
+                     " ".join(f"{r:.2f}" for r in ratios),
+                     f"{_median([r['cpu_us_per_sample'] for r in hand]):.1f} / "
+                     f"{_median([r['cpu_us_per_sample'] for r in mine]):.1f}",
+                     "ok" if ok else "BELOW"])
+    return header, rows, failed
+
+
+def startups(counts, samples: int) -> tuple[list, list, bool]:
+    header, rows, failed = None, [], False
+    for n in counts:
+        found = startup_in_fresh_kernel(n, samples)
+        if header is None:  # each column names the start method the cell used
+            header = ["N"] + [f"{r['label']} ({r['method']})" for r in found] + ["floors"]
+        by_label = {r["label"]: r for r in found}
+        ok = by_label["fork, first cell"]["first"] < FORK_FLOOR and by_label["spawn"]["first"] < SPAWN_FLOOR
+        failed |= not ok
+        rows.append([n] + [f"{r['ready']:.2f} / {r['first']:.2f} / {r['updating']:.2f}" for r in found]
+                    + ["ok" if ok else "BELOW"])
+        print(text_table([[str(c) for c in rows[-1]]], header), flush=True)
+    return header, rows, failed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nprocs", default="1,2,4,8", help="comma-separated worker counts (default 1,2,4,8)")
-    parser.add_argument("--samples", type=int, default=60000, help="training samples per run (default 60000)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each, best kept (default 1)")
+    parser.add_argument("--samples", type=int, default=48000, help="training samples per run (default 48000)")
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="interleaved hand-written/magic pairs per N; the median is kept (default 5)")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up measurements")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.startup_child is not None:
+        startup_child(args.startup_child, args.samples)
+        return 0
 
+    began = time.monotonic()
     cores = len(os.sched_getaffinity(0))
     counts = sorted({min(int(n), cores) for n in args.nprocs.split(",")})
     dataset = make_dataset(args.samples)
     shell = make_shell()
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1).zero_grad()  # lazy imports, for both alike
 
-    header = ["N", "hand-written samples/s", "%%sharedtrain samples/s", "ratio", "first step fork",
-              "first step spawn", "hand-written first step", "floors"]
-    rows, failed = [], False
-    for n in counts:
-        hand, mine = [], []
-        for _ in range(args.repeats):
-            hand.append(hand_written(n, dataset))
-            mine.append(magic(shell, n, dataset, "fork"))
-        best_hand = max(hand, key=lambda r: r["samples_per_s"])
-        best_mine = max(mine, key=lambda r: r["samples_per_s"])
-        fork_first = min(r["first_step"] for r in mine)
-        spawn_first = magic(shell, n, dataset, "spawn")["first_step"]
-        ratio = best_mine["samples_per_s"] / best_hand["samples_per_s"]
-        ok = ratio >= RATIO_FLOOR and fork_first < FORK_FLOOR and spawn_first < SPAWN_FLOOR
-        failed |= not ok
-        rows.append([n, f"{best_hand['samples_per_s']:.0f}", f"{best_mine['samples_per_s']:.0f}", f"{ratio:.3f}",
-                     f"{fork_first:.2f} s", f"{spawn_first:.2f} s",
-                     f"{min(r['first_step'] for r in hand):.2f} s", "ok" if ok else "BELOW"])
-        print(text_table([[str(c) for c in r] for r in rows[-1:]], header), flush=True)
+    tables, failed = [], False
+    header, rows, bad = throughput(counts, dataset, shell, args.pairs)
     print()
-    print(text_table([[str(c) for c in r] for r in rows], header))
+    print(text_table([[str(c) for c in r] for r in rows], header), flush=True)
+    tables.append((header, rows))
+    failed |= bad
+    per_report, per_batch = report_cost()
     extra = [f"- 784-512-512-10 MLP, batch {BATCH}, SGD(0.01, 0.5), {args.samples} synthetic MNIST-sized samples "
-             f"per run, one torch thread per worker, best of {args.repeats}; floors: ratio >= {RATIO_FLOOR}, "
-             f"first step < {FORK_FLOOR:g} s (fork) and < {SPAWN_FLOOR:g} s (spawn)"]
+             f"per run, one torch thread per worker, both forked from one process; {args.pairs} interleaved pairs "
+             f"per N (order alternating), median kept; floors: ratio >= {RATIO_FLOOR}, first step < "
+             f"{FORK_FLOOR:g} s (fork) and < {SPAWN_FLOOR:g} s (spawn)",
+             f"- per-step bookkeeping in a worker: report(loss=loss) {per_report:.1f} us per call, "
+             f"counting a batch {per_batch:.1f} us"]
+    if not args.no_startup:
+        torch_s = fresh_python("import torch")
+        worker_s = fresh_python("import gpumagic.sharedtrain_worker")
+        print(f"\nfresh Python: import torch {torch_s:.2f} s; import gpumagic.sharedtrain_worker {worker_s:.2f} s",
+              flush=True)
+        header, rows, bad = startups(counts, args.samples)
+        print()
+        print(text_table([[str(c) for c in r] for r in rows], header))
+        tables.append((header, rows))
+        failed |= bad
+        extra.append(f"- start-up in a fresh kernel per N, seconds from running the cell to the cell starting in the "
+                     f"first worker / its first batch in any worker (first step) / every worker having taken its "
+                     f"first optimizer step; a fresh Python takes {torch_s:.2f} s to import torch and "
+                     f"{worker_s:.2f} s to import what a worker needs")
+    extra.append(f"- whole benchmark: {time.monotonic() - began:.0f} s")
+    print(extra[-1][2:])
     if not args.no_record:
-        record(header, rows, "python " + " ".join(shlex.quote(a) for a in ["benchmarks/sharedtrain.py", *sys.argv[1:]]),
+        record(tables, "python " + " ".join(shlex.quote(a) for a in ["benchmarks/sharedtrain.py", *sys.argv[1:]]),
                extra)
     return 1 if failed else 0
 

@@ -1095,8 +1095,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         # A server that is only now starting would make this cell wait for it to import torch
         # and torch._dynamo; spawned workers take their first step about a second sooner.
         method = "spawn"
-        reason += ("; it is not running yet, so this cell's workers start with spawn and the server "
-                   "starts when the cell ends")
+        reason += "; it is not running yet, so this cell's workers start with spawn meanwhile"
+        if _usable_cpus() > nprocs:
+            _start_forkserver()  # a core to spare: it imports alongside this cell's workers
+            start_server_after = False
     notes: list[str] = []
     if crowded:
         from ..display import note
