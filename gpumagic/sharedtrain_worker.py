@@ -29,6 +29,7 @@ from . import cells, workers
 from .loaders import shard_loader
 
 FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
+_READ_LATER = ("cuda",)    # devices whose reported tensors are read when sent, not when reported
 
 
 class _SharedUnpickler(pickle.Unpickler):
@@ -134,7 +135,7 @@ def _plain(key, value, defer: bool = False):
         return value
     if isinstance(value, torch.Tensor):
         value = value.detach()
-        if defer and value.device.type != "cpu":
+        if defer and value.device.type in _READ_LATER:
             # Reading a GPU value waits for the GPU: a copy taken now (queued, not waited for) is
             # read when the reports are sent, so report(loss=loss) every step does not stall each step.
             return value.clone()

@@ -332,9 +332,9 @@ def test_forked_workers_of_later_cells_inherit_what_a_first_step_imports():
     assert "cell 2 fork done [True, True]" in out.stdout, out.stdout + out.stderr
 
 
-def test_gpu_values_reported_are_read_when_sent():
-    # report() keeps a copy of a non-CPU tensor and reads it at the next send (no wait per step);
-    # CPU tensors become numbers at once.
+def test_gpu_values_reported_are_read_when_sent(monkeypatch):
+    # report() keeps a copy of a CUDA tensor and reads it at the next send (no wait for the GPU
+    # every step); CPU tensors become numbers at once.
     sent = []
 
     class Conn:
@@ -348,9 +348,14 @@ def test_gpu_values_reported_are_read_when_sent():
     entries = [{"step": 1, "time": 0.0, "loss": torch.tensor([1.5, 2.5]), "one": torch.tensor([4.0])}]
     sharedtrain_worker._resolve(entries)
     assert entries == [{"step": 1, "time": 0.0, "loss": [1.5, 2.5], "one": 4.0}]
+    # Without a GPU here, stand in the meta device for CUDA: a copy is kept, not the tensor itself.
+    monkeypatch.setattr(sharedtrain_worker, "_READ_LATER", ("meta",))
     meta = torch.ones((), device="meta")
     kept = sharedtrain_worker._plain("loss", meta, defer=True)
     assert isinstance(kept, torch.Tensor) and kept is not meta and kept.device.type == "meta"
+    channel.last_flush = time.monotonic() + 3600  # nothing is sent (and read) during this check
+    channel.report(loss=meta)
+    assert isinstance(channel.buffer[-1]["loss"], torch.Tensor)
 
 
 # --------------------------------------------------------------------------- endings
