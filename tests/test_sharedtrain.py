@@ -370,7 +370,7 @@ for x, y, idx in loader:
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_worker_error_stops_all_and_points_at_the_cell_line(shell, method):
     hygiene = Hygiene()
     run_cell(shell, SETUP)
