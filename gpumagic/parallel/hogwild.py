@@ -801,7 +801,7 @@ _forkserver_pid: int | None = None   # the fork server this module started, stop
 
 
 def _prepare_forkserver(ctx) -> int | None:
-    """Have the fork server start with torch, this module and torch._dynamo imported.
+    """Have the fork server start with torch, the worker module and torch._dynamo imported.
 
     The preload list only matters when the server starts: one that something
     else in the kernel started keeps its own, and workers then import what
@@ -855,8 +855,8 @@ def stop_forkserver(timeout: float = 2.0) -> bool:
     """
     global _forkserver_pid
     from multiprocessing import forkserver
-    server = forkserver._forkserver
     from .. import session
+    server = forkserver._forkserver
     pid, _forkserver_pid = _forkserver_pid, None
     session.unregister_closer("sharedtrain-forkserver")
     if pid is None or getattr(server, "_forkserver_pid", None) != pid:
