@@ -240,13 +240,19 @@ def startup_child(nprocs: int, samples: int) -> None:
     sys.__stdout__.write("STARTUP " + json.dumps(out) + "\n")
 
 
+def _child_env() -> dict:
+    """The checkout first on the path, then whatever the path already held (installed wheels, say)."""
+    path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+
+
 def fresh_python(code: str) -> float:
     """Seconds from starting a new Python to the end of ``code`` in it (best of two)."""
     best = float("inf")
     for _ in range(2):
         start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", f"{code}\nimport time; print(time.monotonic())"],
-                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+                             capture_output=True, text=True, cwd=ROOT, env=_child_env())
         best = min(best, float(out.stdout.split()[-1]) - start)
     return best
 
@@ -254,7 +260,7 @@ def fresh_python(code: str) -> float:
 def startup_in_fresh_kernel(nprocs: int, samples: int) -> list[dict]:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--startup-child", str(nprocs),
                           "--samples", str(samples)], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+                         env=_child_env(), timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("STARTUP ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"start-up run for N={nprocs} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -367,6 +373,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=5,
                         help="interleaved hand-written/magic pairs per N; the median is kept (default 5)")
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up measurements")
+    parser.add_argument("--startup-only", action="store_true", help="only the start-up measurements")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -381,19 +388,20 @@ def main(argv=None) -> int:
     shell = make_shell()
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1).zero_grad()  # lazy imports, for both alike
 
-    tables, failed = [], False
-    header, rows, bad = throughput(counts, dataset, shell, args.pairs)
-    print()
-    print(text_table([[str(c) for c in r] for r in rows], header), flush=True)
-    tables.append((header, rows))
-    failed |= bad
-    per_report, per_batch = report_cost()
-    extra = [f"- 784-512-512-10 MLP, batch {BATCH}, SGD(0.01, 0.5), {args.samples} synthetic MNIST-sized samples "
-             f"per run, one torch thread per worker, both forked from one process; {args.pairs} interleaved pairs "
-             f"per N (order alternating), median kept; floors: ratio >= {RATIO_FLOOR}, first step < "
-             f"{FORK_FLOOR:g} s (fork) and < {SPAWN_FLOOR:g} s (spawn)",
-             f"- per-step bookkeeping in a worker: report(loss=loss) {per_report:.1f} us per call, "
-             f"counting a batch {per_batch:.1f} us"]
+    tables, failed, extra = [], False, []
+    if not args.startup_only:
+        header, rows, bad = throughput(counts, dataset, shell, args.pairs)
+        print()
+        print(text_table([[str(c) for c in r] for r in rows], header), flush=True)
+        tables.append((header, rows))
+        failed |= bad
+        per_report, per_batch = report_cost()
+        extra += [f"- 784-512-512-10 MLP, batch {BATCH}, SGD(0.01, 0.5), {args.samples} synthetic MNIST-sized "
+                  f"samples per run, one torch thread per worker, both forked from one process; {args.pairs} "
+                  f"interleaved pairs per N (order alternating), median kept; floors: ratio >= {RATIO_FLOOR}, "
+                  f"first step < {FORK_FLOOR:g} s (fork) and < {SPAWN_FLOOR:g} s (spawn)",
+                  f"- per-step bookkeeping in a worker: report(loss=loss) {per_report:.1f} us per call, "
+                  f"counting a batch {per_batch:.1f} us"]
     if not args.no_startup:
         torch_s = fresh_python("import torch")
         worker_s = fresh_python("import gpumagic.sharedtrain_worker")
