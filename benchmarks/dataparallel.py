@@ -35,21 +35,17 @@ and weight return (the pool reused). Prints a table, appends it to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import shlex
 import socket
 import sys
 import tempfile
 import textwrap
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import _common  # also puts the checkout on sys.path
+from _common import append_results, command, machine, versions
 
 # Shared by this script, the hand-written DDP processes and the notebook (the shell's namespace).
 COMMON = '''
@@ -263,9 +259,7 @@ def free_port() -> int:
 # ------------------------------------------------------------------ through IPython
 
 def make_shell():
-    from IPython.core.interactiveshell import InteractiveShell
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "gpumagic")
+    shell = _common.make_shell()
     shell.run_cell(COMMON, silent=True)
     return shell
 
@@ -295,13 +289,6 @@ def magic_cell(shell, line: str, body: str) -> dict:
 
 
 # ------------------------------------------------------------------ the run
-
-def machine(gpus) -> str:
-    from gpumagic import devices
-    if gpus:
-        return f"{len(gpus)} x {', '.join(sorted({g.name for g in gpus}))}; {platform.node() or 'host'}"
-    return f"{devices.cpu_facts()['name']} (no GPU); {platform.node() or 'host'}"
-
 
 def fmt_rate(x) -> str:
     if x is None:
@@ -463,24 +450,10 @@ def main(argv=None) -> None:
     print(text_table(overheads, ["model", "overhead", "value"]))
     print(f"\ntotal {total:.0f} s")
     if not args.no_record:
-        record(rows, header, overheads, machine(gpus), quick, total)
-
-
-def record(rows, header, overheads, where, quick, total) -> None:
-    import torch
-    path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/dataparallel.py"] + sys.argv[1:])
-    lines = [f"\n### dataparallel.py{' (quick, CPU smoke run: tiny models)' if quick else ''}, {stamp}",
-             f"- machine: {where}; torch {torch.__version__}; Python {platform.python_version()}",
-             f"- command: `{command}`; {total:.0f} s in all", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    lines += ["", "| model | overhead | value |", "|---|---|---|"]
-    lines += ["| " + " | ".join(row) + " |" for row in overheads]
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"\nappended to {os.path.relpath(path, ROOT)}")
+        title = "dataparallel.py" + (" (quick, CPU smoke run: tiny models)" if quick else "")
+        append_results(title, [f"- machine: {machine(gpus)}; {versions()}",
+                               f"- command: `{command('dataparallel.py', argv)}`; {total:.0f} s in all"],
+                       [(header, rows), (["model", "overhead", "value"], overheads)])
 
 
 if __name__ == "__main__":

@@ -22,22 +22,18 @@ widget work (trait changes, state serialisation) but not the kernel's socket sen
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import ROOT, append_results, command, machine  # also puts the checkout on sys.path
 
-from gpumagic import devices, memory, nvml  # noqa: E402
-from gpumagic.display import fmt_bytes, text_table  # noqa: E402
+from gpumagic import devices, memory, nvml
+from gpumagic.display import fmt_bytes, text_table
 
 GiB = 2**30
 
@@ -155,24 +151,6 @@ def torch_query_footprint(index: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def machine(gpus) -> str:
-    if gpus:
-        names = sorted({g.name for g in gpus})
-        return f"{len(gpus)} x {', '.join(names)}; {platform.node() or 'host'}"
-    return f"{devices.cpu_facts()['name']} (no GPU); {platform.node() or 'host'}"
-
-
-def record(rows, header, command: str, where: str) -> None:
-    path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n### monitor.py, {stamp}", f"- machine: {where}", f"- command: `{command}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"\nappended to {os.path.relpath(path)}")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to monitor (default 60)")
@@ -198,8 +176,8 @@ def main(argv=None) -> None:
 
     print(text_table(rows, header))
     if not args.no_record:
-        command = "python benchmarks/monitor.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        record(rows, header, command.strip(), machine(gpus))
+        append_results("monitor.py", [f"- machine: {machine(gpus)}", f"- command: `{command('monitor.py', argv)}`"],
+                       [(header, rows)])
 
 
 if __name__ == "__main__":

@@ -23,26 +23,13 @@ the machine and the command. Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import append_results, command, machine, make_shell, versions  # also puts the checkout on sys.path
 
-from gpumagic import devices  # noqa: E402
-from gpumagic.display import text_table  # noqa: E402
-
-
-def make_shell():
-    from IPython.core.interactiveshell import InteractiveShell
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "gpumagic")
-    return shell
+from gpumagic import devices
+from gpumagic.display import text_table
 
 
 def run(shell, src: str) -> None:
@@ -123,26 +110,6 @@ def small_op_loop(shell, device: str, ops: int, repeat: int) -> list[list[str]]:
     return rows
 
 
-def machine(gpus) -> str:
-    if gpus:
-        names = sorted({g.name for g in gpus})
-        return f"{len(gpus)} x {', '.join(names)}; {platform.node() or 'host'}"
-    return f"{devices.cpu_facts()['name']} (no GPU); {platform.node() or 'host'}"
-
-
-def record(rows, header, command: str, where: str) -> None:
-    path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    import torch
-    lines = [f"\n### ondevice.py, {stamp}", f"- machine: {where}; torch {torch.__version__}; "
-             f"Python {platform.python_version()}", f"- command: `{command}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"\nappended to {os.path.relpath(path)}")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", action="append",
@@ -164,8 +131,8 @@ def main(argv=None) -> None:
         rows += small_op_loop(shell, device, args.ops, args.repeat)
     print(text_table(rows, header))
     if not args.no_record:
-        command = "python benchmarks/ondevice.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        record(rows, header, command.strip(), machine(gpus))
+        append_results("ondevice.py", [f"- machine: {machine(gpus)}; {versions()}",
+                                       f"- command: `{command('ondevice.py', argv)}`"], [(header, rows)])
 
 
 if __name__ == "__main__":

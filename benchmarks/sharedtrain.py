@@ -45,27 +45,24 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+from _common import ROOT, append_results, command, make_shell, versions  # also puts the checkout on sys.path
 
-from gpumagic.display import text_table  # noqa: E402
+from gpumagic.display import text_table
 
 BATCH = 64
 FORK_FLOOR, SPAWN_FLOOR, RATIO_FLOOR = 1.0, 3.0, 0.95
@@ -179,13 +176,6 @@ report(ready=ready, first=first, updated=updated)
 """
 
 
-def make_shell():
-    from IPython.core.interactiveshell import InteractiveShell
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "gpumagic")
-    return shell
-
-
 def _run_cell(shell, nprocs: int, dataset, source: str, seed: int = 1):
     from IPython.utils.capture import capture_output
     torch.manual_seed(seed)
@@ -297,19 +287,7 @@ def machine() -> str:
     gpus = [g.name for g in devices.visible_gpus()]
     where = f"{cpu['name']}, {cpu['cores_physical']} cores ({cpu['cores_logical']} logical)"
     where += f"; {len(gpus)} x {gpus[0]}" if gpus else " (no GPU)"
-    return f"{where}; {platform.node()}; torch {torch.__version__}; Python {platform.python_version()}"
-
-
-def record(tables, command: str, extra: list[str]) -> None:
-    path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"\n### sharedtrain.py, {stamp}", f"- machine: {machine()}", f"- command: `{command}`", *extra]
-    for header, rows in tables:
-        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"\nappended to {os.path.relpath(path)}")
+    return f"{where}; {platform.node()}; {versions()}"
 
 
 def _median(values):
@@ -419,8 +397,8 @@ def main(argv=None) -> int:
     extra.append(f"- whole benchmark: {time.monotonic() - began:.0f} s")
     print(extra[-1][2:])
     if not args.no_record:
-        record(tables, "python " + " ".join(shlex.quote(a) for a in ["benchmarks/sharedtrain.py", *sys.argv[1:]]),
-               extra)
+        append_results("sharedtrain.py",
+                       [f"- machine: {machine()}", f"- command: `{command('sharedtrain.py', argv)}`", *extra], tables)
     return 1 if failed else 0
 
 
