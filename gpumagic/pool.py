@@ -211,6 +211,17 @@ class WorkerPool:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // max(1, cpu_ranks))
 
+    def _waitables(self, ranks) -> dict:
+        """What to wait on for ``ranks``: each one's pipe, and its process's sentinel where this pool
+        started it (it then ends too when the process dies without a word)."""
+        waitables = {}
+        for rank in ranks:
+            r = self.ranks[rank]
+            waitables[r.conn] = rank
+            if r.process is not None:
+                waitables[r.process.sentinel] = rank
+        return waitables
+
     def _wait_ready(self, deadline: float) -> None:
         pending = {r.rank for r in self.ranks}
         while pending:
@@ -218,12 +229,7 @@ class WorkerPool:
             if left <= 0:
                 raise TimeoutError(f"{self.name}: ranks {sorted(pending)} did not start within "
                                    f"{self.start_timeout:.0f} s")
-            waitables = {}
-            for rank in pending:
-                r = self.ranks[rank]
-                waitables[r.conn] = rank
-                if r.process is not None:
-                    waitables[r.process.sentinel] = rank
+            waitables = self._waitables(pending)
             for ready in mpc.wait(list(waitables), timeout=min(left, 0.5)):
                 rank = waitables[ready]
                 r = self.ranks[rank]
@@ -365,12 +371,7 @@ class WorkerPool:
         pending = set(range(self.world_size))
         last_tick = 0.0
         while pending:
-            waitables = {}
-            for rank in pending:
-                r = self.ranks[rank]
-                waitables[r.conn] = rank
-                if r.process is not None:
-                    waitables[r.process.sentinel] = rank
+            waitables = self._waitables(pending)
             for ready in mpc.wait(list(waitables), timeout=0.1):
                 rank = waitables[ready]
                 r = self.ranks[rank]
