@@ -31,6 +31,7 @@ from gpumagic.parallel import ship
 from gpumagic.parallel.ddp import last_result, used_names
 from gpumagic.parallel.dp import ModelCallRewriter
 from tests.conftest import ROOT, run_cell
+from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
 
 CPU2 = "--devices cpu --nprocs 2"
 pytestmark = pytest.mark.filterwarnings("ignore:the cell reads no DataLoader")
@@ -69,27 +70,6 @@ final_loss = float(loss)
 """
 
 
-def _pool():
-    return poolmod.current_pool(POOL_NAME)
-
-
-def _alive(pid) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_dead(pids, timeout=5.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 def _reference(ns, epochs=2, seed=None):
     """Train copies of the notebook's model and optimizer in this process on the full batches."""
     model = copy.deepcopy(ns["model"])
@@ -105,12 +85,6 @@ def _reference(ns, epochs=2, seed=None):
             opt.step()
             losses.append(loss.item())
     return model, opt, losses
-
-
-def _cell(shell, line, body):
-    with capture_output() as cap:
-        value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
-    return value, cap
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -144,7 +118,7 @@ def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
 
 def test_magic_bad_input_raises_usage_error_before_any_process(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    before = _pool()
+    before = dp_pool()
     cases = [
         ("--nprocs 0", TRAIN, "--nprocs 1"),
         ("--devices tpu", TRAIN, "valid choices: cpu"),
@@ -158,7 +132,7 @@ def test_magic_bad_input_raises_usage_error_before_any_process(shell):
         with pytest.raises(UsageError) as err:
             shell.run_cell_magic("dataparallel", line, body)
         assert says in str(err.value), (line, str(err.value))
-    assert _pool() is before  # nothing was started for bad input
+    assert dp_pool() is before  # nothing was started for bad input
     with pytest.raises(UsageError, match="status, stop"):
         shell.run_line_magic("dataparallel", "restart")
 
@@ -279,7 +253,7 @@ def test_equivalence_with_single_process_training(shell):
     model, opt, losses = ns["model"], ns["opt"], ns["losses"]
     ref_model, ref_opt, ref_losses = _reference(ns)
 
-    _cell(shell, CPU2, TRAIN)
+    dp_cell(shell, CPU2, TRAIN)
 
     assert ns["model"] is model and ns["opt"] is opt and ns["losses"] is losses  # the same objects, in place
     for name, p in model.state_dict().items():
@@ -300,8 +274,8 @@ def test_second_cell_continues_from_the_first(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, ref_losses = _reference(ns, epochs=4)
-    _cell(shell, CPU2, TRAIN)
-    _cell(shell, CPU2, TRAIN)                  # momentum and weights from the first cell, via the notebook
+    dp_cell(shell, CPU2, TRAIN)
+    dp_cell(shell, CPU2, TRAIN)                  # momentum and weights from the first cell, via the notebook
     for name, p in ns["model"].state_dict().items():
         torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
     assert len(ns["losses"]) == 16
@@ -311,7 +285,7 @@ def test_ddp_options_keep_the_result(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns)
-    _cell(shell, CPU2 + " --static-graph --bucket-mb 0.001", TRAIN)
+    dp_cell(shell, CPU2 + " --static-graph --bucket-mb 0.001", TRAIN)
     for name, p in ns["model"].state_dict().items():
         torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
 
@@ -321,7 +295,7 @@ def test_schedulers_and_stateful_objects_get_rank0_state(shell):
     run_cell(shell, "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
     ns = shell.user_ns
     sched = ns["sched"]
-    _cell(shell, CPU2, TRAIN.replace("        losses.append(loss.item())\n",
+    dp_cell(shell, CPU2, TRAIN.replace("        losses.append(loss.item())\n",
                                      "        losses.append(loss.item())\n    sched.step()\n"))
     assert ns["sched"] is sched and sched.last_epoch == 2
     assert opt_lr(ns) == pytest.approx(0.1 * 0.25) and sched.get_last_lr() == [pytest.approx(0.025)]
@@ -339,7 +313,7 @@ def test_shuffled_loader_and_notebook_function(shell):
         "    "))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns, epochs=2, seed=123)
-    _cell(shell, f"{CPU2} --seed 123", "for epoch in range(2):\n    train_epoch()\n")
+    dp_cell(shell, f"{CPU2} --seed 123", "for epoch in range(2):\n    train_epoch()\n")
     for name, p in ns["model"].state_dict().items():
         torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
 
@@ -347,10 +321,10 @@ def test_shuffled_loader_and_notebook_function(shell):
 def test_pool_is_reused_and_output_streams(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     with pytest.warns(UserWarning, match="reads no DataLoader: every rank sees the same data"):
-        _cell(shell, CPU2, "n = float(model(X).sum())\n")
-    pool = _pool()
+        dp_cell(shell, CPU2, "n = float(model(X).sum())\n")
+    pool = dp_pool()
     pids = list(pool.pids)
-    value, cap = _cell(shell, CPU2, """
+    value, cap = dp_cell(shell, CPU2, """
         import torch.distributed as dist
         print("hello from", dist.get_rank())
         rank_seen = dist.get_rank()
@@ -359,33 +333,33 @@ def test_pool_is_reused_and_output_streams(shell):
         world * 10
     """)
     result = last_result()
-    assert _pool() is pool and pool.pids == pids and result.pool_started is False
+    assert dp_pool() is pool and pool.pids == pids and result.pool_started is False
     assert result.timings["start"] < 5.0          # no restart: a second cell starts at once
     assert cap.stdout.count("hello from 0") == 1 and "hello from 1" not in cap.stdout
     assert value == 20 and shell.user_ns["rank_seen"] == 0 and shell.user_ns["world"] == 2
     # in the cell, model is the DDP wrapper but reads like the notebook's module
-    _cell(shell, CPU2, "kind = type(model).__name__\nfirst = next(iter(model.state_dict()))\n"
+    dp_cell(shell, CPU2, "kind = type(model).__name__\nfirst = next(iter(model.state_dict()))\n"
                        "names = [n for n, _ in model.named_parameters()]\nsub = type(model.hidden).__name__\n")
     assert shell.user_ns["kind"] == "CellDDP" and shell.user_ns["first"] == "hidden.weight"
     assert shell.user_ns["names"][:2] == ["hidden.weight", "hidden.bias"] and shell.user_ns["sub"] == "Linear"
     assert "out" in result.not_returned and "out" not in shell.user_ns  # a tensor output stays in the workers
 
-    _, cap = _cell(shell, CPU2 + " --all-output", "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")
+    _, cap = dp_cell(shell, CPU2 + " --all-output", "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")
     assert "[rank 0] hi 0" in cap.stdout and "[rank 1] hi 1" in cap.stdout
 
 
 def test_returned_tensors_survive_the_next_cell(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    value, _ = _cell(shell, CPU2, "v = torch.tensor(1.5) + 0 * model(X).sum().detach()\n"
+    value, _ = dp_cell(shell, CPU2, "v = torch.tensor(1.5) + 0 * model(X).sum().detach()\n"
                                   "vs = [torch.tensor(2.5), 3]\nv * 2\n")
     v, vs = shell.user_ns["v"], shell.user_ns["vs"]
-    _cell(shell, CPU2, "w = torch.tensor(-7.0) + 0 * model(X).sum().detach()\nws = [torch.tensor(-8.0)]\nw\n")
+    dp_cell(shell, CPU2, "w = torch.tensor(-7.0) + 0 * model(X).sum().detach()\nws = [torch.tensor(-8.0)]\nw\n")
     assert float(v) == 1.5 and float(vs[0]) == 2.5 and vs[1] == 3 and float(value) == 3.0
 
 
 def test_rank0_output_arrives_while_the_cell_runs(shell, monkeypatch):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")           # the pool is up
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")           # the pool is up
 
     class Clock:
         def __init__(self):
@@ -409,11 +383,11 @@ def test_large_tensors_stay_in_workers_until_changed(shell):
     run_cell(shell, "import torch\nfrom torch import nn\nbig = nn.Linear(512, 512)\n"
                     "bopt = torch.optim.SGD(big.parameters(), lr=0.01)\n")
     body = "bopt.zero_grad()\nbig(torch.ones(4, 512)).sum().backward()\nbopt.step()\ns = float(big.weight.sum())\n"
-    _cell(shell, CPU2, body)
+    dp_cell(shell, CPU2, body)
     first = last_result()
     assert first.shipped_bytes >= 512 * 512 * 4
     s1 = shell.user_ns["s"]
-    _cell(shell, CPU2, body)
+    dp_cell(shell, CPU2, body)
     second = last_result()
     assert second.cached_bytes >= 512 * 512 * 4 and second.shipped_bytes < 512 * 512 * 4
     # the workers' kept copy is the trained one: one more step of -lr * 4 on each of 512*512 weights
@@ -422,13 +396,13 @@ def test_large_tensors_stay_in_workers_until_changed(shell):
     assert s2 == pytest.approx(float(shell.user_ns["big"].weight.detach().sum()), rel=1e-6)
     # changed in the notebook behind autograd's back: shipped again, and the workers see it
     run_cell(shell, "big.weight.data.zero_()")
-    _cell(shell, CPU2, "s = float(big.weight.abs().sum())\n")
+    dp_cell(shell, CPU2, "s = float(big.weight.abs().sum())\n")
     assert shell.user_ns["s"] == 0.0 and last_result().shipped_bytes >= 512 * 512 * 4
 
 
 def test_workers_use_no_shared_memory_and_listen_on_loopback_only(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, """
+    dp_cell(shell, CPU2, """
         import os
         maps = open('/proc/self/maps').read()
         fds = [os.readlink(f'/proc/self/fd/{f}') for f in os.listdir('/proc/self/fd')
@@ -437,7 +411,7 @@ def test_workers_use_no_shared_memory_and_listen_on_loopback_only(shell):
         out = model(X)
     """)
     assert shell.user_ns["shm"] == []
-    pids = [os.getpid()] + _pool().pids
+    pids = [os.getpid()] + dp_pool().pids
     listening = []
     for pid in pids:
         for c in psutil.Process(pid).net_connections(kind="inet"):
@@ -449,10 +423,10 @@ def test_workers_use_no_shared_memory_and_listen_on_loopback_only(shell):
 
 def test_status_shows_ranks(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "y0 = float(model(X).sum())\n")
+    dp_cell(shell, CPU2, "y0 = float(model(X).sum())\n")
     with capture_output() as cap:
         shell.run_line_magic("dataparallel", "status")
-    for pid in _pool().pids:
+    for pid in dp_pool().pids:
         assert str(pid) in cap.stdout
     assert "running" in cap.stdout and "gloo" in cap.stdout and "127.0.0.1:" in cap.stdout
 
@@ -463,7 +437,7 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns)
-    value, cap = _cell(shell, "--strategy dp --devices cpu", TRAIN + "len(losses)\n")
+    value, cap = dp_cell(shell, "--strategy dp --devices cpu", TRAIN + "len(losses)\n")
     assert value == 8
     assert "one device" in cap.stderr
     for name, p in ns["model"].state_dict().items():
@@ -487,21 +461,21 @@ def test_ranks_from_another_machine_join_over_tcp(shell):
                              cwd=ROOT, env=env)
     line = "--devices cpu --nprocs 1 --remote 1 --listen 127.0.0.1"
     try:
-        _cell(shell, line, TRAIN)
+        dp_cell(shell, line, TRAIN)
         result = last_result()
         assert result.devices[0] == "cpu" and result.devices[1].endswith(":cpu") and len(result.devices) == 2
         for name, p in ns["model"].state_dict().items():
             torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
-        remote_pid = _pool().pids[1]
+        remote_pid = dp_pool().pids[1]
         # the remote rank fails while the local one waits in a barrier: both end, and the agent's
         # next worker joins the next pool by itself
         with pytest.raises(WorkerError) as err:
-            _cell(shell, line, "import torch.distributed as dist\nout = model(X)\n"
+            dp_cell(shell, line, "import torch.distributed as dist\nout = model(X)\n"
                                "if dist.get_rank() == 1:\n    raise KeyError('far away')\ndist.barrier()\n")
         assert err.value.rank == 1 and err.value.pid == remote_pid
-        assert _wait_dead([remote_pid]) == []
-        _cell(shell, line, "ok = float(model(X).sum())\n")
-        assert isinstance(ns["ok"], float) and _pool().pids[1] != remote_pid
+        assert wait_dead([remote_pid]) == []
+        dp_cell(shell, line, "ok = float(model(X).sum())\n")
+        assert isinstance(ns["ok"], float) and dp_pool().pids[1] != remote_pid
     finally:
         poolmod.stop_pool(POOL_NAME)
         poolmod.close_listener()
@@ -517,20 +491,20 @@ def test_ranks_from_another_machine_join_over_tcp(shell):
 
 def test_symmetric_error_keeps_the_pool(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     with pytest.raises(WorkerError) as err:
-        _cell(shell, CPU2, "out = model(X)\nundefined_name + 1\n")
+        dp_cell(shell, CPU2, "out = model(X)\nundefined_name + 1\n")
     assert err.value.exc_type == "NameError" and err.value.rank == 0
-    assert _pool().alive and _pool().pids == pids  # every rank failed alike: nobody is stuck
+    assert dp_pool().alive and dp_pool().pids == pids  # every rank failed alike: nobody is stuck
 
 
 def test_error_on_one_rank_stops_all_and_leaves_model_unchanged(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     src = ("%%dataparallel " + CPU2 + "\n"
            "import torch.distributed as dist\n"
            "for x, y in loader:\n"
@@ -546,31 +520,31 @@ def test_error_on_one_rank_stops_all_and_leaves_model_unchanged(shell):
     # the traceback points at the user's cell line (line 6 counting the magic's line)
     assert f"Cell In[{shell.execution_count - 1}], line 6" in err.remote_traceback
     assert "raise ValueError('rank one fails')" in err.remote_traceback
-    assert _wait_dead(pids) == []  # rank 0 was waiting in a barrier: killed, not left hanging
+    assert wait_dead(pids) == []  # rank 0 was waiting in a barrier: killed, not left hanging
     for k, v in ns["model"].state_dict().items():
         assert torch.equal(v, before[k]), k
     # the next cell gets a fresh pool and works
-    _cell(shell, CPU2, "ok = float(model(X).sum())\n")
-    assert _pool().pids != pids and isinstance(shell.user_ns["ok"], float)
+    dp_cell(shell, CPU2, "ok = float(model(X).sum())\n")
+    assert dp_pool().pids != pids and isinstance(shell.user_ns["ok"], float)
 
 
 def test_a_rank_that_dies_is_reported_and_the_pool_replaced(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     with pytest.raises(poolmod.PoolDied) as err:
-        _cell(shell, CPU2, "import os, signal, torch.distributed as dist\nout = model(X)\n"
+        dp_cell(shell, CPU2, "import os, signal, torch.distributed as dist\nout = model(X)\n"
                            "if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n")
     assert err.value.rank == 1 and "killed by signal 9" in err.value.message
-    assert _wait_dead(pids) == []
-    _cell(shell, CPU2, "ok = 3\nmodel(X)\n")
+    assert wait_dead(pids) == []
+    dp_cell(shell, CPU2, "ok = 3\nmodel(X)\n")
     assert shell.user_ns["ok"] == 3
 
 
 def test_interrupt_stops_every_rank_within_5_seconds(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     body = ("import time, torch, torch.distributed as dist\n"
             "out = model(X)\n"
             "feeder = iter(DataLoader(TensorDataset(X), batch_size=4, num_workers=1))\n"
@@ -595,23 +569,23 @@ def test_interrupt_stops_every_rank_within_5_seconds(shell):
     timer.cancel()
     assert interrupted_after < 5.0
     assert len(children) == 2, children
-    assert _wait_dead(pids + children, timeout=5.0 - max(0.0, interrupted_after)) == []
-    _cell(shell, CPU2, "ok = 2\nmodel(X)\n")
-    assert shell.user_ns["ok"] == 2 and _pool().pids != pids
+    assert wait_dead(pids + children, timeout=5.0 - max(0.0, interrupted_after)) == []
+    dp_cell(shell, CPU2, "ok = 2\nmodel(X)\n")
+    assert shell.user_ns["ok"] == 2 and dp_pool().pids != pids
 
 
 def test_stop_and_unload_reap_the_pool(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     with capture_output():
         shell.run_line_magic("dataparallel", "stop")
-    assert _wait_dead(pids) == [] and _pool() is None
-    _cell(shell, CPU2, "a = model(X).shape[0]\n")
-    pids = list(_pool().pids)
+    assert wait_dead(pids) == [] and dp_pool() is None
+    dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
+    pids = list(dp_pool().pids)
     shell.run_line_magic("unload_ext", "gpumagic")
     try:
-        assert _wait_dead(pids) == []
+        assert wait_dead(pids) == []
     finally:
         shell.run_line_magic("load_ext", "gpumagic")
 
@@ -628,10 +602,10 @@ def test_killed_kernel_leaves_no_worker_behind(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _wait_dead(pids) == []
+        assert wait_dead(pids) == []
     finally:
         if proc.poll() is None:
             proc.kill()

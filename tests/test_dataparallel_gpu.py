@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import _thread
 import copy
-import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 from IPython.utils.capture import capture_output
@@ -20,6 +18,7 @@ from gpumagic.errors import WorkerError
 from gpumagic.parallel import POOL_NAME
 from gpumagic.parallel.ddp import last_result
 from tests.conftest import run_cell
+from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 
@@ -57,26 +56,6 @@ final_loss = loss.item()
 """
 
 
-def _pool():
-    return poolmod.current_pool(POOL_NAME)
-
-
-def _alive(pid) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_dead(pids, timeout=5.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 def _reference(ns, epochs=2):
     """The same training in this process on cuda:0, on the full batches."""
     model = copy.deepcopy(ns["model"]).to("cuda:0")
@@ -88,12 +67,6 @@ def _reference(ns, epochs=2):
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
     return model
-
-
-def _cell(shell, line, body):
-    with capture_output() as cap:
-        value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
-    return value, cap
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,7 +81,7 @@ def test_two_gpus_train_and_weights_come_back_where_the_model_lives(shell, where
     ns = shell.user_ns
     model, opt = ns["model"], ns["opt"]
     ref = _reference(ns)
-    _cell(shell, "--nprocs 2", TRAIN)
+    dp_cell(shell, "--nprocs 2", TRAIN)
     result = last_result()
     assert result.devices == ["cuda:0", "cuda:1"] and result.backend == "nccl"
     assert ns["model"] is model and ns["opt"] is opt
@@ -122,7 +95,7 @@ def test_two_gpus_train_and_weights_come_back_where_the_model_lives(shell, where
 
 def test_cuda_spellings_in_the_cell_mean_each_rank_own_gpu(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
-    value, cap = _cell(shell, "--nprocs 2 --all-output", """
+    value, cap = dp_cell(shell, "--nprocs 2 --all-output", """
         a = torch.zeros(1, device='cuda:0')
         b = torch.ones(1).cuda()
         c = torch.ones(1).to(device)
@@ -139,11 +112,11 @@ def test_second_cell_continues_from_the_first(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
     ns = shell.user_ns
     ref = _reference(ns, epochs=4)
-    _cell(shell, "--nprocs 2", TRAIN)
-    pids = list(_pool().pids)
-    _cell(shell, "--nprocs 2", TRAIN)
+    dp_cell(shell, "--nprocs 2", TRAIN)
+    pids = list(dp_pool().pids)
+    dp_cell(shell, "--nprocs 2", TRAIN)
     result = last_result()
-    assert _pool().pids == pids and not result.pool_started
+    assert dp_pool().pids == pids and not result.pool_started
     assert result.timings["start"] < 5.0 and result.timings["return"] < 5.0
     for name, p in ns["model"].state_dict().items():
         torch.testing.assert_close(p, ref.state_dict()[name], atol=1e-4, rtol=1e-4)
@@ -153,8 +126,8 @@ def test_rank1_error_while_rank0_waits_in_nccl(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
     ns = shell.user_ns
     before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
-    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    pids = list(dp_pool().pids)
     src = ("%%dataparallel --nprocs 2\n"
            "import torch.distributed as dist\n"
            "out = model(X[:8].cuda()).sum()\n"
@@ -167,15 +140,15 @@ def test_rank1_error_while_rank0_waits_in_nccl(shell):
     err = result.error_in_exec
     assert isinstance(err, WorkerError) and err.rank == 1 and err.pid == pids[1]
     assert "line 5" in err.remote_traceback
-    assert _wait_dead(pids) == [] and time.monotonic() - t0 < 15
+    assert wait_dead(pids) == [] and time.monotonic() - t0 < 15
     for k, v in ns["model"].state_dict().items():
         assert torch.equal(v, before[k])
 
 
 def test_interrupt_kills_ranks_in_nccl_collectives(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
-    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
-    pids = list(_pool().pids)
+    dp_cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    pids = list(dp_pool().pids)
     body = ("import torch.distributed as dist\n"
             "out = model(X[:2].cuda())\n"
             "t = torch.ones(1 << 20, device='cuda')\n"
@@ -188,9 +161,9 @@ def test_interrupt_kills_ranks_in_nccl_collectives(shell):
         shell.run_cell_magic("dataparallel", "--nprocs 2", body)
     timer.cancel()
     assert time.monotonic() - t0 - 3.0 < 5.0
-    assert _wait_dead(pids) == []
-    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
-    assert isinstance(shell.user_ns["w"], float) and _pool().pids != pids
+    assert wait_dead(pids) == []
+    dp_cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    assert isinstance(shell.user_ns["w"], float) and dp_pool().pids != pids
 
 
 def test_dp_strategy_splits_calls_and_warns(shell):
@@ -206,24 +179,24 @@ def test_dp_strategy_splits_calls_and_warns(shell):
                     "xb = torch.randn(16, 32, device='cuda:0')\n")
     ns = shell.user_ns
     expected = ns["model"](ns["xb"])
-    value, _ = _cell(shell, "--strategy dp", "out = model(xb)\nout")
+    value, _ = dp_cell(shell, "--strategy dp", "out = model(xb)\nout")
     assert value.device == torch.device("cuda:0") and value.shape == (16, 4)
     torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
     with pytest.warns(UserWarning, match="BatchNorm"):
-        _cell(shell, "--strategy dp --model bn", "o = bn(xb)\n")
+        dp_cell(shell, "--strategy dp --model bn", "o = bn(xb)\n")
     with pytest.warns(UserWarning, match="smaller than the 2 devices"):
-        _cell(shell, "--strategy dp", "o = model(xb[:1])\n")
+        dp_cell(shell, "--strategy dp", "o = model(xb[:1])\n")
     with pytest.warns(UserWarning, match="returns a scalar"):
-        value, _ = _cell(shell, "--strategy dp", "summed(xb)\n")
+        value, _ = dp_cell(shell, "--strategy dp", "summed(xb)\n")
     assert value.shape == (2,)   # one per device, as nn.DataParallel gathers them
     torch.testing.assert_close(value.sum(), ns["summed"](ns["xb"]), atol=1e-4, rtol=1e-4)
 
 
 def test_status_names_the_gpus(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
-    _cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
+    dp_cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
     with capture_output() as cap:
         shell.run_line_magic("dataparallel", "status")
     assert "nccl" in cap.stdout and "cuda:1" in cap.stdout
-    for pid in _pool().pids:
+    for pid in dp_pool().pids:
         assert str(pid) in cap.stdout

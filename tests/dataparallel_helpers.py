@@ -1,0 +1,40 @@
+"""Helpers shared by the %%dataparallel tests on CPU and on GPUs."""
+from __future__ import annotations
+
+import textwrap
+import time
+
+import psutil
+from IPython.utils.capture import capture_output
+
+from gpumagic import pool as poolmod
+from gpumagic.parallel import POOL_NAME
+
+
+def dp_pool():
+    """The worker pool %%dataparallel keeps, or None."""
+    return poolmod.current_pool(POOL_NAME)
+
+
+def alive(pid) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pids, timeout=5.0) -> list:
+    """Wait up to ``timeout`` seconds for ``pids`` to end; those still alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def dp_cell(shell, line, body):
+    """Run ``%%dataparallel line`` over ``body`` (dedented); its value and captured output."""
+    with capture_output() as cap:
+        value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
+    return value, cap
