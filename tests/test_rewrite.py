@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from gpumagic.rewrite.placement import (
-    HELPER, LEGACY_TYPES, Placement, PlacementRewriter, install_passthrough, modules_on, passthrough,
+    HELPER, LEGACY_TYPES, Placement, install_passthrough, modules_on, passthrough,
     rewrite_placement,
 )
 
