@@ -604,7 +604,7 @@ def test_low_open_file_limit_switches_to_file_system_sharing():
 
 
 def test_history_and_summary_rendering():
-    from gpumagic.magics.sharedtrain import render_summary, sparkline
+    from gpumagic.parallel.hogwild_display import render_summary, sparkline
     history = hogwild.History(2)
     history.extend(0, [{"step": 1, "time": 0.1, "loss": 2.0}, {"step": 2, "time": 0.3, "loss": 1.0}])
     history.extend(1, [{"step": 1, "time": 0.2, "loss": 3.0, "acc": 0.5}])
