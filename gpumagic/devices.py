@@ -175,12 +175,29 @@ def _parse_visible(spec: str, ordered: list[dict]) -> list[tuple[dict, dict | No
     return chosen
 
 
+_visible_cache: tuple | None = None
+
+
 def visible_gpus(environ: dict | None = None) -> list[Gpu]:
     """The GPUs torch can use, as ``cuda:0``, ``cuda:1``..., matched to NVML.
 
-    Empty on a machine without NVML or GPUs. Never initialises CUDA.
+    Empty on a machine without NVML or GPUs. Never initialises CUDA. With the
+    process environment, the answer is kept while what decides it is unchanged
+    (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``, whether CUDA is initialised,
+    the NVML library), so a cell magic pays microseconds, not an NVML round.
     """
-    env = os.environ if environ is None else environ
+    global _visible_cache
+    if environ is not None:
+        return _discover(environ)
+    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"),
+           torch_cuda_initialized(), nvml.generation)
+    cached = _visible_cache
+    if cached is None or cached[0] != key:
+        cached = _visible_cache = (key, _discover(os.environ))
+    return list(cached[1])
+
+
+def _discover(env) -> list[Gpu]:
     try:
         nv = nvml.lib()
     except nvml.NvmlUnavailable:
@@ -394,30 +411,31 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
     """
     gpus = visible_gpus() if gpus is None else gpus
     text_spec = str(spec).strip().lower()
-    choices = available_devices(gpus)
+    def choices():  # listed only when there is an error to explain
+        return available_devices(gpus)
     if text_spec.isdigit():
         text_spec = f"cuda:{text_spec}"
     if text_spec in ("cpu", "meta"):
         return text_spec
     if text_spec in ("mps", "mps:0"):
-        if "mps" in choices:
+        if _mps_available():
             return "mps"
-        raise usage_error("device 'mps' is not available on this machine", choices)
+        raise usage_error("device 'mps' is not available on this machine", choices())
     if text_spec == "cuda" or text_spec == "gpu":
         if not gpus:
-            raise usage_error("device 'cuda' needs a GPU, and this machine has none visible", choices)
+            raise usage_error("device 'cuda' needs a GPU, and this machine has none visible", choices())
         picked = session.picked_device()
         return picked if picked and picked.startswith("cuda:") else "cuda:0"
     if text_spec.startswith("cuda:"):
         index = text_spec[5:]
         if not index.isdigit():
-            raise usage_error(f"malformed device {str(spec)!r}", choices)
+            raise usage_error(f"malformed device {str(spec)!r}", choices())
         if not gpus:
-            raise usage_error(f"device {text_spec!r} needs a GPU, and this machine has none visible", choices)
+            raise usage_error(f"device {text_spec!r} needs a GPU, and this machine has none visible", choices())
         if int(index) >= len(gpus):
-            raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible)", choices)
+            raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible)", choices())
         return f"cuda:{int(index)}"
-    raise usage_error(f"unknown device {str(spec)!r}", choices)
+    raise usage_error(f"unknown device {str(spec)!r}", choices())
 
 
 def default_device(gpus: list[Gpu] | None = None) -> str:

@@ -15,6 +15,7 @@ _lock = threading.Lock()
 _lib: Any = None            # the pynvml module (from nvidia-ml-py), or a stand-in
 _error: str | None = None   # why NVML is unavailable, once we know
 _initialised = False
+generation = 0              # bumped by use(): caches built on NVML answers key on it
 
 
 class NvmlUnavailable(RuntimeError):
@@ -27,9 +28,10 @@ def use(library: Any | None) -> None:
     The stand-in needs the ``nvml*`` functions gpumagic calls and an
     ``NVMLError`` exception class, like the ``pynvml`` module.
     """
-    global _lib, _error, _initialised
+    global _lib, _error, _initialised, generation
     with _lock:
         _lib, _error, _initialised = library, None, False
+        generation += 1
 
 
 def lib() -> Any:

@@ -74,21 +74,9 @@ class OnDeviceResult:
 
 # -- the device ----------------------------------------------------------------
 
-_gpu_cache: tuple | None = None
-
-
 def _gpus():
-    """Visible GPUs, cached while the environment that decides them is unchanged.
-
-    NVML is asked once per (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, CUDA
-    initialised) so that a cell pays microseconds, not an NVML round, per run.
-    """
-    global _gpu_cache
-    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"),
-           devices.torch_cuda_initialized())
-    if _gpu_cache is None or _gpu_cache[0] != key:
-        _gpu_cache = (key, devices.visible_gpus())
-    return _gpu_cache[1]
+    """Visible GPUs (``devices.visible_gpus`` keeps them while the environment is unchanged)."""
+    return devices.visible_gpus()
 
 
 def resolve_device(spec) -> str:
