@@ -40,7 +40,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from . import session, workers
+from . import fresh, session, workers
 from .errors import WorkerError
 
 __all__ = ["WorkerPool", "WorkerContext", "PoolDied", "get_pool", "stop_pool", "current_pool", "pools"]
@@ -135,7 +135,7 @@ class WorkerPool:
         _live_pools.add(self)
         self.state = "running"
         try:
-            with _plain_main():
+            with fresh.starting("spawn"):
                 self._spawn(ctx, port)
             if self.remote:
                 self._accept_remote(port, t0 + max(self.start_timeout, 600.0))
@@ -456,25 +456,6 @@ class WorkerPool:
                 "rendezvous": f"{self.master_addr}:{self._store.port}" if self._store is not None else None,
                 "started_at": self.started_at, "start_seconds": self.start_seconds,
                 "tasks_run": self.tasks_run, "ranks": ranks}
-
-
-class _plain_main:
-    """Spawn reads ``sys.modules['__main__']`` to re-import it in the child.
-
-    In a notebook that module is IPython's stand-in (sometimes without
-    ``__spec__``, which spawn trips on); in a script it would re-run the
-    script's top level in every worker. The workers need neither.
-    """
-
-    def __enter__(self):
-        import types
-        self._saved = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            sys.modules["__main__"] = self._saved
-        return False
 
 
 def _send_quietly(out, r, ref, data) -> None:

@@ -69,7 +69,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .. import cells, workers
+from .. import cells, fresh, workers
 from ..errors import UsageError, WorkerError, usage_error
 from ..namespace import find_loaders, find_modules, find_optimizers, names_assigned, names_read
 # What runs in the workers lives apart, so a fresh worker imports neither IPython nor this module.
@@ -771,29 +771,6 @@ def _stop_workers(processes: list, grace: float = STOP_GRACE) -> list:
     return codes
 
 
-@contextmanager
-def _bare_main(method: str):
-    """Hide the notebook's ``__main__`` while spawning.
-
-    spawn and forkserver re-import the parent's ``__main__`` in each child: a
-    notebook has none to import (and after ``%reset`` no ``__spec__`` either),
-    and after ``%run script.py`` its ``__file__`` would run the script again in
-    every worker. Workers need nothing from it: the cell travels by value.
-    """
-    if method == "fork":
-        yield
-        return
-    import types
-    main = sys.modules.get("__main__")
-    stub = types.ModuleType("__main__")
-    stub.__spec__ = None
-    sys.modules["__main__"] = stub
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
 # What a worker's first optimizer call imports (``torch._dynamo``, over a second of CPU): the fork
 # server imports it once up front, and a forking kernel imports it once for all later cells.
 _LAZY_TORCH_MODULES = ("torch._dynamo",)
@@ -840,7 +817,7 @@ def _start_forkserver() -> None:
     from multiprocessing import forkserver
     try:
         before = _prepare_forkserver(mp.get_context("forkserver"))
-        with _bare_main("forkserver"):
+        with fresh.starting("forkserver"):
             forkserver.ensure_running()
         _adopt_forkserver(before)
     except Exception:
@@ -919,7 +896,7 @@ def _start_worker(ctx, method: str, rank: int, world: int, spec: _Spec):
     process = ctx.Process(target=_worker_main, args=(rank, world, spec, send, parent),
                           name=f"sharedtrain-{rank}", daemon=False)
     try:
-        with warnings.catch_warnings(), _bare_main(method):
+        with warnings.catch_warnings(), fresh.starting(method):
             # Python 3.12+ warns on fork with threads; the start method chose fork knowing which run.
             warnings.simplefilter("ignore", DeprecationWarning)
             process.start()

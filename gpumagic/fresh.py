@@ -1,0 +1,121 @@
+"""Starting fresh Python interpreters as workers: spawn, the fork server, DDP ranks.
+
+Wrap the ``start()`` of such processes in :func:`starting`. It does two things:
+
+* **Hides the notebook's** ``__main__``. spawn and forkserver re-import the
+  parent's ``__main__`` in each child: a notebook has none to import (after
+  ``%reset`` not even a ``__spec__``), and after ``%run script.py`` its
+  ``__file__`` would run the script again in every worker. Workers need
+  nothing from it: cells travel by value.
+* **Keeps the workers' bytecode.** A fresh worker imports about a thousand of
+  torch's modules. Where Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``
+  or ``-B``, common in containers) and none was written at install time, it
+  compiles them all first: about 2 s of CPU per worker, in every cell. Workers
+  then keep their bytecode in a cache of gpumagic's own, outside every source
+  tree (``sys.pycache_prefix``), and later workers read it. The cache is
+  ``$GPUMAGIC_PYCACHE``, else ``$XDG_CACHE_HOME/gpumagic/pycache``, else
+  ``~/.cache/gpumagic/pycache``; ``GPUMAGIC_PYCACHE=off`` turns it off.
+  Where Python writes bytecode as usual, nothing changes.
+
+In a notebook::
+
+    import os
+    os.environ["GPUMAGIC_PYCACHE"] = "off"   # workers compile afresh, as Python was told
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+from contextlib import contextmanager
+
+SETTING = "GPUMAGIC_PYCACHE"            # the person's choice: a directory, or "off"
+WORKER_ENV = "GPUMAGIC_WORKER_PYCACHE"  # parent to worker: where to keep bytecode (read by gpumagic/__init__)
+_OFF = ("off", "0", "no", "false", "none")
+
+
+def _writes_bytecode() -> bool:
+    """Whether a fresh interpreter started from here would write bytecode."""
+    return not (sys.flags.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"))
+
+
+def bytecode_path(source: str) -> str:
+    """Where a fresh interpreter started from here looks for ``source``'s bytecode.
+
+    Like ``importlib.util.cache_from_source``, but for the child: its prefix is
+    ``PYTHONPYCACHEPREFIX`` from the environment it inherits, not this process's.
+    """
+    directory, name = os.path.split(os.path.abspath(source))
+    opt = f".opt-{sys.flags.optimize}" if sys.flags.optimize else ""
+    name = f"{name.rpartition('.')[0]}.{sys.implementation.cache_tag}{opt}.pyc"
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX")
+    if prefix:
+        return os.path.join(os.path.abspath(prefix), directory.lstrip(os.sep), name)
+    return os.path.join(directory, "__pycache__", name)
+
+
+def _torch_source() -> str | None:
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    return spec.origin if spec is not None else None
+
+
+def worker_pycache() -> str | None:
+    """The directory fresh workers keep bytecode in.
+
+    None where they need none (Python writes bytecode, or torch's was written
+    when it was installed) or where ``GPUMAGIC_PYCACHE=off``.
+    """
+    setting = os.environ.get(SETTING, "").strip()
+    if setting.lower() in _OFF or _writes_bytecode():
+        return None
+    torch_source = _torch_source()
+    if torch_source is None or os.path.exists(bytecode_path(torch_source)):
+        return None
+    if not setting:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        setting = os.path.join(base, "gpumagic", "pycache")
+    path = os.path.abspath(os.path.expanduser(setting))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None  # a read-only home, say: workers compile as Python would anyway
+    return path if os.access(path, os.W_OK) else None
+
+
+def keep_bytecode(path: str) -> None:
+    """In a worker, before torch loads: read and write bytecode under ``path``."""
+    sys.pycache_prefix = path
+    sys.dont_write_bytecode = False
+
+
+@contextmanager
+def starting(method: str = "spawn"):
+    """Around ``Process.start()`` of fresh workers (``method`` spawn or forkserver; fork: nothing to do).
+
+    ::
+
+        with fresh.starting("spawn"):
+            process.start()
+    """
+    if method == "fork":
+        yield
+        return
+    cache = worker_pycache()
+    saved_main, saved_env = sys.modules.get("__main__"), os.environ.get(WORKER_ENV)
+    stub = types.ModuleType("__main__")
+    stub.__spec__ = None
+    sys.modules["__main__"] = stub
+    if cache:
+        # Through the environment because the child reads it as gpumagic is first imported, before
+        # anything it unpickles imports torch; gpumagic/__init__ removes it there again.
+        os.environ[WORKER_ENV] = cache
+    try:
+        yield
+    finally:
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+        if saved_env is None:
+            os.environ.pop(WORKER_ENV, None)
+        else:
+            os.environ[WORKER_ENV] = saved_env
