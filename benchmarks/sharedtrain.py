@@ -33,6 +33,11 @@ floors are about) and until every worker has finished its first optimizer
 step ("all updating": it includes the second or so a first optimizer call
 spends importing ``torch._dynamo`` where nothing imported it before). A fresh
 Python's ``import torch`` is timed too: no spawned worker can start sooner.
+Where torch came without bytecode and Python writes none
+(``PYTHONDONTWRITEBYTECODE``), workers keep theirs in gpumagic's cache (see
+``gpumagic/fresh.py``): the benchmark then uses a cache of its own, filled
+before the runs as a first worker fills it, and adds a column per N with an
+empty one, as the first spawn ever meets it.
 
 Floors: %%sharedtrain >= 0.95 x hand-written at each N; first step < 1 s
 with fork and < 3 s with spawn.
@@ -48,9 +53,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -62,6 +69,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from _common import ROOT, append_results, command, make_shell, versions  # also puts the checkout on sys.path
 
+from gpumagic import fresh
 from gpumagic.display import text_table
 
 BATCH = 64
@@ -212,14 +220,17 @@ STARTUP_SEQUENCE = [("fork", "fork, first cell"), ("fork", "fork, later cell"), 
                     (None, "fork unsafe, later cell")]
 
 
-def startup_child(nprocs: int, samples: int) -> None:
+COLD_SEQUENCE = [("spawn", "spawn, empty bytecode cache")]
+
+
+def startup_child(nprocs: int, samples: int, cold: bool = False) -> None:
     """In a fresh kernel: the start-up cells in order; one JSON line on stdout."""
     import threading
     dataset = make_dataset(samples)
     shell = make_shell()
     out = []
     stop = threading.Event()
-    for method, label in STARTUP_SEQUENCE:
+    for method, label in COLD_SEQUENCE if cold else STARTUP_SEQUENCE:
         if method is None and not stop.is_set() and threading.active_count() == 1:
             # A thread of the notebook's own makes fork unsafe, as CUDA in the kernel would.
             threading.Thread(target=stop.wait, name="notebook-thread", daemon=True).start()
@@ -230,27 +241,30 @@ def startup_child(nprocs: int, samples: int) -> None:
     sys.__stdout__.write("STARTUP " + json.dumps(out) + "\n")
 
 
-def _child_env() -> dict:
+def _child_env(**extra) -> dict:
     """The checkout first on the path, then whatever the path already held (installed wheels, say)."""
     path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **extra}
 
 
-def fresh_python(code: str) -> float:
+def fresh_python(code: str, **env) -> float:
     """Seconds from starting a new Python to the end of ``code`` in it (best of two)."""
     best = float("inf")
     for _ in range(2):
         start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", f"{code}\nimport time; print(time.monotonic())"],
-                             capture_output=True, text=True, cwd=ROOT, env=_child_env())
+                             capture_output=True, text=True, cwd=ROOT, env=_child_env(**env))
         best = min(best, float(out.stdout.split()[-1]) - start)
     return best
 
 
-def startup_in_fresh_kernel(nprocs: int, samples: int) -> list[dict]:
+def startup_in_fresh_kernel(nprocs: int, samples: int, cold_cache: str | None = None) -> list[dict]:
+    """The start-up sequence in a new kernel; with ``cold_cache``, only a spawn cell, that cache empty."""
+    args = ["--startup-cold"] if cold_cache else []
+    env = {fresh.SETTING: cold_cache} if cold_cache else {}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--startup-child", str(nprocs),
-                          "--samples", str(samples)], capture_output=True, text=True, cwd=ROOT,
-                         env=_child_env(), timeout=300)
+                          "--samples", str(samples), *args], capture_output=True, text=True, cwd=ROOT,
+                         env=_child_env(**env), timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("STARTUP ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"start-up run for N={nprocs} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -329,10 +343,13 @@ def throughput(counts, dataset, shell, pairs: int) -> tuple[list, list, bool]:
     return header, rows, failed
 
 
-def startups(counts, samples: int) -> tuple[list, list, bool]:
+def startups(counts, samples: int, cold_dir: str | None) -> tuple[list, list, bool]:
+    """One row per N; with ``cold_dir`` (workers keep bytecode in gpumagic's cache) a first-ever column too."""
     header, rows, failed = None, [], False
     for n in counts:
         found = startup_in_fresh_kernel(n, samples)
+        if cold_dir:
+            found += startup_in_fresh_kernel(n, samples, os.path.join(cold_dir, f"n{n}"))
         if header is None:  # each column names the start method the cell used
             header = ["N"] + [f"{r['label']} ({r['method']})" for r in found] + ["floors"]
         by_label = {r["label"]: r for r in found}
@@ -354,9 +371,10 @@ def main(argv=None) -> int:
     parser.add_argument("--startup-only", action="store_true", help="only the start-up measurements")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--startup-cold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.startup_child is not None:
-        startup_child(args.startup_child, args.samples)
+        startup_child(args.startup_child, args.samples, args.startup_cold)
         return 0
 
     began = time.monotonic()
@@ -383,9 +401,28 @@ def main(argv=None) -> int:
     if not args.no_startup:
         torch_s = fresh_python("import torch")
         worker_s = fresh_python("import gpumagic.sharedtrain_worker")
-        print(f"\nfresh Python: import torch {torch_s:.2f} s; import gpumagic.sharedtrain_worker {worker_s:.2f} s",
-              flush=True)
-        header, rows, bad = startups(counts, args.samples)
+        cache = fresh.worker_pycache()
+        cold_dir = None
+        if cache:
+            # Workers keep bytecode in gpumagic's cache here: measure with one of the benchmark's own,
+            # filled first as a worker fills it, and once per N with an empty one (the first spawn ever).
+            cold_dir = tempfile.mkdtemp(prefix="gpumagic-bench-pycache-")
+            cache = os.path.join(cold_dir, "warm")
+            os.environ[fresh.SETTING] = cache
+            fresh_python("import gpumagic.sharedtrain_worker", **{fresh.WORKER_ENV: cache})
+            cached_s = fresh_python("import gpumagic.sharedtrain_worker", **{fresh.WORKER_ENV: cache})
+            bytecode = (f"torch was installed without bytecode and Python writes none here, so workers keep "
+                        f"theirs in gpumagic's cache: a fresh worker imports what it needs in {cached_s:.2f} s "
+                        f"with it, {worker_s:.2f} s without")
+        else:
+            bytecode = "workers read the bytecode installed with torch"
+        print(f"\nfresh Python: import torch {torch_s:.2f} s; import gpumagic.sharedtrain_worker {worker_s:.2f} s;"
+              f" {bytecode}", flush=True)
+        try:
+            header, rows, bad = startups(counts, args.samples, cold_dir)
+        finally:
+            if cold_dir:
+                shutil.rmtree(cold_dir, ignore_errors=True)
         print()
         print(text_table([[str(c) for c in r] for r in rows], header))
         tables.append((header, rows))
@@ -393,7 +430,7 @@ def main(argv=None) -> int:
         extra.append(f"- start-up in a fresh kernel per N, seconds from running the cell to the cell starting in the "
                      f"first worker / its first batch in any worker (first step) / every worker having taken its "
                      f"first optimizer step; a fresh Python takes {torch_s:.2f} s to import torch and "
-                     f"{worker_s:.2f} s to import what a worker needs")
+                     f"{worker_s:.2f} s to import what a worker needs; {bytecode}")
     extra.append(f"- whole benchmark: {time.monotonic() - began:.0f} s")
     print(extra[-1][2:])
     if not args.no_record:
