@@ -39,16 +39,17 @@ def _writes_bytecode() -> bool:
     return not (sys.flags.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"))
 
 
-def bytecode_path(source: str) -> str:
+def bytecode_path(source: str, prefix: str | None = None) -> str:
     """Where a fresh interpreter started from here looks for ``source``'s bytecode.
 
     Like ``importlib.util.cache_from_source``, but for the child: its prefix is
-    ``PYTHONPYCACHEPREFIX`` from the environment it inherits, not this process's.
+    ``prefix`` if given, else ``PYTHONPYCACHEPREFIX`` from the environment it
+    inherits, not this process's.
     """
     directory, name = os.path.split(os.path.abspath(source))
     opt = f".opt-{sys.flags.optimize}" if sys.flags.optimize else ""
     name = f"{name.rpartition('.')[0]}.{sys.implementation.cache_tag}{opt}.pyc"
-    prefix = os.environ.get("PYTHONPYCACHEPREFIX")
+    prefix = prefix or os.environ.get("PYTHONPYCACHEPREFIX")
     if prefix:
         return os.path.join(os.path.abspath(prefix), directory.lstrip(os.sep), name)
     return os.path.join(directory, "__pycache__", name)
@@ -83,6 +84,59 @@ def worker_pycache() -> str | None:
     return path if os.access(path, os.W_OK) else None
 
 
+# What fresh workers import: torch, gpumagic's worker sides, DDP, and what a first optimizer step
+# imports (torch._dynamo). With these in the cache even the first worker starts from bytecode.
+_WORKER_IMPORTS = ("import gpumagic.sharedtrain_worker, gpumagic.pool, torch.distributed, "
+                   "torch.nn.parallel, torch._dynamo")
+_warming = None   # the process filling the cache, until it is reaped
+
+
+def warm_cache():
+    """Fill the workers' bytecode cache in the background where it is needed and holds no torch yet.
+
+    Run as the extension loads: a low-priority Python imports what workers
+    import, once per machine (until torch changes), so that even the first
+    ``%%sharedtrain`` or ``%%dataparallel`` cell starts its workers from
+    bytecode. Returns the ``subprocess.Popen``, or None when there is nothing to do.
+    """
+    global _warming
+    import subprocess
+    cache, source = worker_pycache(), _torch_source()
+    if cache is None or source is None or os.path.exists(bytecode_path(source, cache)):
+        return None
+    if _warming is not None and _warming.poll() is None:
+        return _warming
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import os, sys; os.nice(19); sys.path.insert(0, {package_parent!r}); {_WORKER_IMPORTS}"
+    # No thread waits for it (a thread would make fork unsafe for %%sharedtrain): it is reaped by
+    # the next fresh start or when the extension unloads.
+    _warming = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, WORKER_ENV: cache},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from . import session
+    session.register_closer("pycache-warm", stop_warming)
+    return _warming
+
+
+def stop_warming(timeout: float = 1.0) -> None:
+    """Reap the warming process; one still running after ``timeout`` is killed (the cache stays valid)."""
+    global _warming
+    proc, _warming = _warming, None
+    if proc is None:
+        return
+    from . import session
+    session.unregister_closer("pycache-warm")
+    try:
+        proc.wait(timeout)
+    except Exception:
+        proc.kill()
+        proc.wait()
+
+
+def _reap_warming() -> None:
+    if _warming is not None and _warming.poll() is not None:
+        stop_warming()
+
+
 def keep_bytecode(path: str) -> None:
     """In a worker, before torch loads: read and write bytecode under ``path``."""
     sys.pycache_prefix = path
@@ -98,6 +152,7 @@ def starting(method: str = "spawn"):
         with fresh.starting("spawn"):
             process.start()
     """
+    _reap_warming()
     if method == "fork":
         yield
         return

@@ -150,3 +150,42 @@ def test_dataparallel_ranks_keep_bytecode_too(bytecode_off):
     finally:
         pool.stop()
     assert [r for r, _ in results] == [{"prefix": str(bytecode_off), "off": False}] * 2
+
+
+def test_loading_the_extension_fills_the_cache_in_the_background(shell, bytecode_off):
+    from gpumagic import session
+    torch_source = sys.modules["torch"].__file__
+    try:
+        shell.run_line_magic("unload_ext", "gpumagic")
+        shell.run_line_magic("load_ext", "gpumagic")
+        warming = fresh._warming
+        assert warming is not None and "pycache-warm" in session._closers
+        assert warming.wait(120) == 0
+        # What workers import is there before any worker ran: torch, DDP, torch._dynamo, gpumagic.
+        for module in ("torch", "torch._dynamo", "torch.nn.parallel", "gpumagic.sharedtrain_worker"):
+            source = sys.modules[module].__file__ if module in sys.modules else None
+            if source is None:
+                import importlib.util
+                source = importlib.util.find_spec(module).origin
+            assert os.path.exists(fresh.bytecode_path(source, str(bytecode_off))), module
+        # A fresh start reaps it; with the cache filled, loading again starts nothing.
+        with fresh.starting("spawn"):
+            pass
+        assert fresh._warming is None and "pycache-warm" not in session._closers
+        assert fresh.warm_cache() is None
+        assert os.path.exists(fresh.bytecode_path(torch_source, str(bytecode_off)))
+    finally:
+        fresh.stop_warming()
+
+
+def test_unloading_the_extension_stops_the_warming_process(shell, bytecode_off):
+    try:
+        shell.run_line_magic("unload_ext", "gpumagic")
+        shell.run_line_magic("load_ext", "gpumagic")
+        warming = fresh._warming
+        assert warming is not None and warming.poll() is None
+    finally:
+        shell.run_line_magic("unload_ext", "gpumagic")
+        shell.run_line_magic("load_ext", "gpumagic")  # starts another: the cache is still not full
+        fresh.stop_warming()
+    assert warming.poll() is not None and fresh._warming is None

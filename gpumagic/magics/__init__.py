@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from .. import session
+from .. import fresh, session
 
 # (module, class) for every magic class; later magics add themselves here.
 MAGIC_CLASSES = [
@@ -34,6 +34,10 @@ def _classes():
 def register(shell) -> None:
     for cls in _classes():
         shell.register_magics(cls(shell))
+    try:
+        fresh.warm_cache()  # only where workers would otherwise compile torch: see fresh.py
+    except Exception:
+        pass  # a speed-up only; workers then fill the cache themselves
 
 
 def unregister(shell) -> None:
