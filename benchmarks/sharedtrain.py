@@ -36,8 +36,9 @@ Python's ``import torch`` is timed too: no spawned worker can start sooner.
 Where torch came without bytecode and Python writes none
 (``PYTHONDONTWRITEBYTECODE``), workers keep theirs in gpumagic's cache (see
 ``gpumagic/fresh.py``): the benchmark then uses a cache of its own, filled
-before the runs as a first worker fills it, and adds a column per N with an
-empty one, as the first spawn ever meets it.
+before the runs as a first worker fills it, and adds a column per N in a
+kernel that loads the extension with the cache empty (it starts filling it
+in the background) and runs a spawn cell at once: the first spawn ever.
 
 Floors: %%sharedtrain >= 0.95 x hand-written at each N; first step < 1 s
 with fork and < 3 s with spawn.
@@ -220,7 +221,7 @@ STARTUP_SEQUENCE = [("fork", "fork, first cell"), ("fork", "fork, later cell"), 
                     (None, "fork unsafe, later cell")]
 
 
-COLD_SEQUENCE = [("spawn", "spawn, empty bytecode cache")]
+COLD_SEQUENCE = [("spawn", "spawn, cache empty at %load_ext")]
 
 
 def startup_child(nprocs: int, samples: int, cold: bool = False) -> None:
