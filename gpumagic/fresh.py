@@ -15,7 +15,9 @@ Wrap the ``start()`` of such processes in :func:`starting`. It does two things:
   tree (``sys.pycache_prefix``), and later workers read it. The cache is
   ``$GPUMAGIC_PYCACHE``, else ``$XDG_CACHE_HOME/gpumagic/pycache``, else
   ``~/.cache/gpumagic/pycache``; ``GPUMAGIC_PYCACHE=off`` turns it off.
-  Where Python writes bytecode as usual, nothing changes.
+  Where Python writes bytecode as usual, nothing changes. :func:`warm_cache`
+  (run as the extension loads) fills the cache in the background the first
+  time, so that even the first workers find it ready.
 
 In a notebook::
 
