@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -624,7 +625,20 @@ def test_history_and_summary_rendering():
     view = render_summary(result)
     assert "2 workers (fork) on cpu trained 'net': 4 steps, 128 samples in 0.6 s; 320 samples/s" in view.text
     assert "loss rank 0: ▅▁  2 -> 1" in view.text and "loss rank 1: █  3 -> 3" in view.text and "  a note" in view.text
-    assert "<svg" in view.html_text and view.html_text.count("<polyline") == 2
+    svg = _plot_svg(view.html_text)
+    assert svg.startswith("<svg xmlns='http://www.w3.org/2000/svg'") and svg.count("<polyline") == 2
+    assert "<svg" not in view.html_text  # an image, which a stored (untrusted) notebook still shows
+    import xml.etree.ElementTree as ET
+    tree = ET.fromstring(svg)  # an image must be well-formed XML, or the browser shows nothing
+    assert len(tree.findall("{http://www.w3.org/2000/svg}polyline")) == 2
+
+
+def _plot_svg(html_text: str) -> str:
+    """The loss plot's SVG, from the data: URL of its <img>."""
+    import base64
+    found = re.search(r"<img src='data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)'", html_text)
+    assert found, html_text[-500:]
+    return base64.b64decode(found.group(1)).decode()
 
 
 def test_notebook_shows_live_progress_then_the_summary_in_one_display(shell):
@@ -645,5 +659,5 @@ for i in range(12):
     assert "<table>" in htmls[0] and ("starting" in htmls[0] or "running" in htmls[0])
     # 12 reports per worker count as its steps when the cell reads no notebook loader.
     assert "trained &#x27;model&#x27;: 24 steps" in htmls[-1] and "rank 1" in htmls[-1]
-    assert "<svg" in htmls[-1] and htmls[-1].count("<polyline") == 2
+    assert _plot_svg(htmls[-1]).count("<polyline") == 2
     assert "sharedtrain: " not in out  # no text summary printed besides the display

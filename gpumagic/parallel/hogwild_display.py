@@ -5,6 +5,7 @@ a line every few seconds where output is not a terminal.
 """
 from __future__ import annotations
 
+import base64
 import html
 import sys
 import time
@@ -64,7 +65,12 @@ def sparkline(values: list[float], width: int = 24, low: float | None = None, hi
 
 
 def _svg_plot(series: list, key: str, width: int = 360, height: int = 120) -> str:
-    """A small inline SVG with one line per worker (no plotting library needed)."""
+    """A small plot with one line per worker (no plotting library needed), as HTML.
+
+    The SVG is an ``<img>`` with a ``data:`` URL rather than inline: JupyterLab
+    strips inline ``<svg>`` from the HTML of a stored (untrusted) notebook but
+    keeps images, so the plot is still there when the notebook is opened again.
+    """
     pts = [p for per_rank in series for p in per_rank]
     if not pts:
         return ""
@@ -72,7 +78,8 @@ def _svg_plot(series: list, key: str, width: int = 360, height: int = 120) -> st
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
     xspan, yspan = (x1 - x0) or 1, (y1 - y0) or 1
-    left, right, top, bottom = 44, 8, 8, 18
+    high, low = _fmt(y1, 3), _fmt(y0, 3)
+    left, right, top, bottom = 10 + 6 * max(len(high), len(low)), 8, 8, 18  # room for the y labels
     w, h = width - left - right, height - top - bottom
 
     def at(x, y):
@@ -83,16 +90,20 @@ def _svg_plot(series: list, key: str, width: int = 360, height: int = 120) -> st
         if per_rank:
             color = _COLORS[rank % len(_COLORS)]
             lines.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' "
-                         f"points='{' '.join(at(x, y) for x, y in per_rank)}'><title>rank {rank}</title></polyline>")
+                         f"points='{' '.join(at(x, y) for x, y in per_rank)}'/>")
+    svg = (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+           f"style='font:10px sans-serif'>"
+           f"<rect x='{left}' y='{top}' width='{w}' height='{h}' fill='none' stroke='#ccc'/>"
+           f"<text x='{left - 4}' y='{top + 8}' text-anchor='end'>{html.escape(high)}</text>"
+           f"<text x='{left - 4}' y='{top + h}' text-anchor='end'>{html.escape(low)}</text>"
+           f"<text x='{left}' y='{height - 4}'>step {html.escape(_fmt(x0))}</text>"
+           f"<text x='{left + w}' y='{height - 4}' text-anchor='end'>{html.escape(_fmt(x1))}</text>"
+           + "".join(lines) + "</svg>")
+    url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode("ascii")
     legend = " ".join(f"<span style='color:{_COLORS[r % len(_COLORS)]}'>&#9632; rank {r}</span>"
                       for r, per_rank in enumerate(series) if per_rank)
-    return (f"<div><svg width='{width}' height='{height}' style='font:10px sans-serif'>"
-            f"<rect x='{left}' y='{top}' width='{w}' height='{h}' fill='none' stroke='#ccc'/>"
-            f"<text x='{left - 4}' y='{top + 8}' text-anchor='end'>{_fmt(y1, 3)}</text>"
-            f"<text x='{left - 4}' y='{top + h}' text-anchor='end'>{_fmt(y0, 3)}</text>"
-            f"<text x='{left}' y='{height - 4}'>step {_fmt(x0)}</text>"
-            f"<text x='{left + w}' y='{height - 4}' text-anchor='end'>{_fmt(x1)}</text>"
-            + "".join(lines) + f"</svg><div style='font-size:smaller'>{html.escape(key)} per worker: {legend}</div></div>")
+    return (f"<div><img src='{url}' width='{width}' height='{height}' alt='{html.escape(key)} per worker'>"
+            f"<div style='font-size:smaller'>{html.escape(key)} per worker: {legend}</div></div>")
 
 
 def _worker_rows(result, key: str | None) -> tuple[list, list]:

@@ -32,6 +32,7 @@ from labharness import ARTIFACTS, ROOT, Browser, LabServer, missing_requirements
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
 TOUR = ROOT / "examples" / "01_tour.ipynb"
+SHAREDTRAIN = ROOT / "examples" / "03_sharedtrain.ipynb"
 SHOTS = ARTIFACTS / "browser"
 RUN_ALL_TIMEOUT = 300  # seconds: the whole tour, a cold kernel and torch's import on a busy machine
 CELL_TIMEOUT = 120
@@ -50,6 +51,7 @@ def lab(tmp_path_factory):
         pytest.skip("browser test needs " + ", ".join(missing) + "; .ci/browser-deps.sh installs them")
     if not TOUR.exists():
         pytest.fail(f"{TOUR} is missing")
+    shutil.rmtree(SHOTS, ignore_errors=True)  # only this run's pictures
     server = LabServer(tmp_path_factory.mktemp("jupyterlab"))
     shutil.copy(TOUR, server.root / TOUR.name)
     try:
@@ -61,7 +63,6 @@ def lab(tmp_path_factory):
 
 @pytest.fixture
 def browser(lab):
-    shutil.rmtree(SHOTS, ignore_errors=True)  # only this run's pictures
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser = Browser(lab.home)
     try:
@@ -323,3 +324,36 @@ def _tour(lab, page):
     errors = [o for c in saved["cells"] if c["cell_type"] == "code"
               for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"saved notebook has error outputs: {[e.get('ename') for e in errors]}"
+
+
+def test_stored_sharedtrain_notebook_still_shows_its_loss_plot(lab, browser):
+    """Opened as saved (not trusted, nothing run), a %%sharedtrain summary keeps its loss plot.
+
+    JupyterLab sanitizes the HTML outputs of a notebook it does not trust and
+    drops inline SVG; the plot is an image, which it keeps. An inline SVG added
+    to the same output shows the notebook really is treated as untrusted.
+    """
+    notebook = json.loads(SHAREDTRAIN.read_text())
+    outputs = [o for c in notebook["cells"] for o in c.get("outputs", [])
+               if "data:image/svg+xml" in "".join(o.get("data", {}).get("text/html", ""))]
+    assert len(outputs) == 1, "the stored notebook holds one sharedtrain summary with its plot"
+    html = "".join(outputs[0]["data"]["text/html"])
+    outputs[0]["data"]["text/html"] = html + "<svg width='10' height='10'><rect width='10' height='10'/></svg>"
+    (lab.root / SHAREDTRAIN.name).write_text(json.dumps(notebook))
+    page = browser.start()
+    try:
+        _open_notebook(page, lab, SHAREDTRAIN.name)
+        plot = page.locator(".jp-RenderedHTMLCommon img[src^='data:image/svg+xml']")
+        plot.first.wait_for(timeout=60_000)
+        page.wait_for_function("""() => { const i = document.querySelector(
+            ".jp-RenderedHTMLCommon img[src^='data:image/svg+xml']"); return i && i.complete; }""")
+        plot.first.scroll_into_view_if_needed()
+        _shot(page, "10_stored_sharedtrain_plot")
+        assert plot.count() == 1
+        assert plot.first.evaluate("e => [e.naturalWidth, e.naturalHeight]") == [360, 120]
+        assert page.locator(".jp-RenderedHTMLCommon svg rect").count() == 0, "inline SVG was not sanitized away"
+        summary = page.locator(".jp-RenderedHTMLCommon").filter(has=page.locator("img[src^='data:image/svg+xml']"))
+        assert "trained 'model'" in summary.first.inner_text()
+    except BaseException:
+        print("--- browser console ---\n" + "\n".join(browser.console[-60:]))
+        raise
