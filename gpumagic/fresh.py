@@ -103,8 +103,8 @@ def warm_cache():
     """
     global _warming
     import subprocess
-    cache, source = worker_pycache(), _torch_source()
-    if cache is None or source is None or os.path.exists(bytecode_path(source, cache)):
+    cache = worker_pycache()  # None also where torch is not installed
+    if cache is None or os.path.exists(bytecode_path(_torch_source(), cache)):
         return None
     if _warming is not None and _warming.poll() is None:
         return _warming
