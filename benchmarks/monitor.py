@@ -32,7 +32,8 @@ import time
 
 from _common import ROOT, append_results, command, machine  # also puts the checkout on sys.path
 
-from gpumagic import devices, memory, nvml
+from gpumagic import devices
+from gpumagic.devices import memory, nvml
 from gpumagic.display import fmt_bytes, text_table
 
 GiB = 2**30
@@ -130,7 +131,8 @@ TORCH_QUERY = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch
-from gpumagic import devices, memory, nvml
+from gpumagic import devices
+from gpumagic.devices import memory, nvml
 gpu = devices.visible_gpus()[{index}]
 nv = nvml.lib()
 before = nv.nvmlDeviceGetMemoryInfo(gpu.handle).used

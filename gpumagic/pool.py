@@ -912,7 +912,8 @@ def _init_rank(config: dict) -> dict:
 def _bind_to_gpu_cpus(index: int) -> None:
     """Run on the CPU cores near the GPU (its NUMA node), as NVIDIA's launchers do."""
     try:
-        from . import devices, nvml
+        from . import devices
+        from .devices import nvml
         gpus = devices.visible_gpus()
         if index >= len(gpus) or gpus[index].handle is None:
             return

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
-from . import cells, workers
+from . import workers
+from .cell import compile as cells
 from .loaders import shard_loader
 
 FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel

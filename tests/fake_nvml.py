@@ -1,6 +1,6 @@
 """A stand-in NVML that behaves like a machine with several GPUs.
 
-``gpumagic.nvml.use(FakeNvml(...))`` makes every gpumagic query read it.
+``gpumagic.devices.nvml.use(FakeNvml(...))`` makes every gpumagic query read it.
 It is small on purpose: the functions gpumagic calls, with NVML's shapes
 (``busId``, ``total``/``used``/``free``, ``NVMLError`` for unsupported fields).
 """

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from gpumagic import devices, nvml, session
+from gpumagic import devices, session
+from gpumagic.devices import nvml
 from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu
 
 

@@ -11,7 +11,8 @@ from IPython.utils.capture import capture_output
 from ipywidgets import Widget
 from ipywidgets.widgets.widget import _instances
 
-from gpumagic import devices, nvml, session
+from gpumagic import devices, session
+from gpumagic.devices import nvml
 from gpumagic.widgets import monitor
 from gpumagic.widgets.gauge import MemoryGauge, bar_style_for
 from tests.conftest import run_cell
@@ -220,7 +221,7 @@ def test_lifecycle_calls_are_idempotent(machine):
 
 def test_a_failing_reading_does_not_kill_the_thread(machine, monkeypatch):
     mon = monitor.start(["cpu"], interval=0.02)
-    from gpumagic import memory
+    from gpumagic.devices import memory
     real = memory.device_memory
     monkeypatch.setattr(memory, "device_memory", lambda *a, **k: 1 / 0)
     assert wait_for(lambda: mon.errors)

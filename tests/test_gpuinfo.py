@@ -8,7 +8,8 @@ import pytest
 from IPython.utils.capture import capture_output
 
 import gpumagic
-from gpumagic import nvml, session
+from gpumagic import session
+from gpumagic.devices import nvml
 from tests.conftest import run_cell
 from tests.fake_nvml import four_gpu_machine
 

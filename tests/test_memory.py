@@ -9,7 +9,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic import memory, nvml
+from gpumagic.devices import memory, nvml
 from tests.conftest import run_cell
 from tests.fake_nvml import FakeNvml, four_gpu_machine
 

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from gpumagic import devices, memory
+from gpumagic import devices
+from gpumagic.devices import memory
 from gpumagic.display import fmt_bytes
 from tests.conftest import run_cell
 
@@ -54,7 +55,8 @@ from IPython.utils.capture import capture_output
 shell = InteractiveShell.instance()
 shell.kernel = object()   # as in a Jupyter kernel: --watch shows gauges
 shell.run_line_magic("load_ext", "gpumagic")
-from gpumagic import devices, nvml
+from gpumagic import devices
+from gpumagic.devices import nvml
 from gpumagic.widgets import monitor
 nv = nvml.lib()
 gpus = devices.visible_gpus()

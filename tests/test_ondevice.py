@@ -10,9 +10,9 @@ import torch
 from tests.conftest import run_cell
 from gpumagic import session
 from gpumagic.errors import UsageError
-from gpumagic.ondevice import OnDeviceOptions, run_on_device
+from gpumagic.ondevice.run import OnDeviceOptions, run_on_device
 from gpumagic.devices import visible_gpus
-from gpumagic.rewrite.placement import HELPER
+from gpumagic.cell.placement import HELPER
 
 HAS_GPU = bool(visible_gpus())   # through NVML: asking never initialises CUDA
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -238,7 +238,7 @@ def test_bad_device_is_usage_error_naming_devices(shell, line):
 
 def test_gpu_torch_cannot_use_is_usage_error(shell, monkeypatch):
     # NVML sees a GPU, but this torch has no CUDA: say so, naming what is usable.
-    from gpumagic import ondevice
+    from gpumagic.ondevice import run as ondevice
     from gpumagic.devices import Gpu
     monkeypatch.setattr(ondevice, "_gpus", lambda: [Gpu(0, "GPU-x", None, "Fake GPU")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

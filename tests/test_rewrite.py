@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gpumagic.rewrite.placement import (
+from gpumagic.cell.placement import (
     HELPER, LEGACY_TYPES, Placement, install_passthrough, modules_on, passthrough,
     rewrite_placement,
 )

@@ -108,7 +108,7 @@ class DataParallelMagics(Magics):
         if args.action is not None:
             raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
                               "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
-        from ..cells import is_empty
+        from ..cell.compile import is_empty
         from ..parallel import make_plan
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,

@@ -15,7 +15,7 @@ _ACTIONS = ("--watch", "--stop", "--vars", "--free")
 
 def memory_devices(gpus) -> list[str]:
     """The devices ``%gpumem`` can show: the CPU, each GPU, and MPS where present."""
-    from ..devices import _mps_available
+    from ..devices.discovery import _mps_available
     names = ["cpu"] + [g.device for g in gpus]
     if _mps_available():
         names.append("mps")
@@ -57,7 +57,7 @@ def _show(shell, result) -> None:
 
 def watch(shell, device: str | None, gpus, interval: float):
     """Start the gauges (notebook) or print one snapshot (terminal); returns the monitor or None."""
-    from .. import memory
+    from ..devices import memory
     if not display.widgets_supported(shell):
         print("Live gauges need a notebook (Jupyter with ipywidgets); here is one snapshot:")
         print(memory.snapshot(device, gpus).text())
@@ -104,7 +104,7 @@ class MemoryMagics(Magics):
             %gpumem --vars             # tensors, models, optimizer state by variable
             %gpumem --free             # gc + empty_cache, and what it gave back
         """
-        from .. import memory
+        from ..devices import memory
         from ..devices import visible_gpus
         args = parse(self.gpumem, line)
         gpus = visible_gpus()

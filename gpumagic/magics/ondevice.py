@@ -80,7 +80,7 @@ class OnDeviceMagics(Magics):
         default device, the current CUDA device and stream are restored.
         """
         __tracebackhide__ = True  # noqa: F841
-        from ..ondevice import OnDeviceOptions, run_on_device
+        from ..ondevice.run import OnDeviceOptions, run_on_device
         args = self._parse(line)
         options = OnDeviceOptions(
             device=args.device, stream=args.stream, sync=args.sync, time=args.time,

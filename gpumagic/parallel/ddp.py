@@ -31,9 +31,9 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from .. import cells
+from ..cell import compile as cells
 from ..errors import usage_error
-from ..namespace import find_loaders, find_modules, find_optimizers, is_plain_value, names_assigned
+from ..cell.names import find_loaders, find_modules, find_optimizers, is_plain_value, names_assigned
 from . import POOL_NAME, Plan
 
 __all__ = ["run_cell", "rank_main", "CellDDP", "CellResult", "used_names", "last_result"]
@@ -304,7 +304,7 @@ def _backend_flags() -> dict:
 def _placement_for_cpu(tree, namespace):
     """On CPU ranks, a cell written for ``.cuda()`` runs on the CPU (the %%ondevice rewrite)."""
     try:
-        from ..rewrite.placement import HELPER, rewrite_placement
+        from ..cell.placement import HELPER, rewrite_placement
     except ImportError:
         return tree, None
     tree, rewriter = rewrite_placement(copy.deepcopy(tree), namespace)
@@ -737,7 +737,7 @@ def _rank_main(ctx, meta, data, store):
     for name in meta["device_strings"]:
         ns[name] = str(device) if device.type == "cuda" else "cpu"
     if meta.get("placement"):
-        from ..rewrite.placement import Placement, install_passthrough
+        from ..cell.placement import Placement, install_passthrough
         install_passthrough()
         ns[meta["placement"]] = Placement(device)
 

@@ -26,9 +26,9 @@ import ast
 import warnings
 from dataclasses import dataclass, field
 
-from .. import cells
+from ..cell import compile as cells
 from ..display import note
-from ..namespace import find_modules
+from ..cell.names import find_modules
 from . import Plan
 
 __all__ = ["DataParallelCall", "ModelCallRewriter", "run_cell", "DPResult", "HELPER"]

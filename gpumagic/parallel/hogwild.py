@@ -69,9 +69,10 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .. import cells, fresh, workers
+from .. import fresh, workers
+from ..cell import compile as cells
 from ..errors import UsageError, WorkerError, usage_error
-from ..namespace import find_loaders, find_modules, find_optimizers, names_assigned, names_read
+from ..cell.names import find_loaders, find_modules, find_optimizers, names_assigned, names_read
 # What runs in the workers lives apart, so a fresh worker imports neither IPython nor this module.
 from ..sharedtrain_worker import _FdHandle, _match_optimizer_devices, _signal_group, _Spec, _worker_main
 from .. import sharedtrain_worker as _worker_module

@@ -17,7 +17,8 @@ import threading
 
 from ipywidgets import VBox
 
-from .. import memory, session
+from .. import session
+from ..devices import memory
 from ..display import fmt_bytes
 from .gauge import MemoryGauge
 

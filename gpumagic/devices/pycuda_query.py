@@ -51,7 +51,7 @@ def pycuda_attributes(refresh: bool = False, timeout: float = 60.0) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"pycuda query failed: {proc.stderr.strip().splitlines()[-1:]}")
     data = json.loads(proc.stdout)
-    from .devices import normalize_bus_id
+    from .discovery import normalize_bus_id
     _cache.clear()
     for bus, entry in data["devices"].items():
         entry["pycuda_version"] = data["pycuda_version"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import numbers
 
-from .errors import usage_error
+from ..errors import usage_error
 
 __all__ = ["names_read", "names_assigned", "find_modules", "find_optimizers", "find_loaders",
            "is_plain_value"]

@@ -3,7 +3,7 @@
 :func:`run_on_device` compiles the cell the way IPython does (so the value of
 its last expression comes back, other AST transformers apply, and tracebacks
 show ``Cell In[n], line k`` with the user's source), rewrites CUDA-specific
-placement to follow the device (:mod:`gpumagic.rewrite.placement`), runs it
+placement to follow the device (:mod:`gpumagic.cell.placement`), runs it
 with the device current, and puts everything back afterwards: torch's
 default device, the current CUDA device and the current stream are what they
 were before, whether the cell succeeded or raised.
@@ -12,7 +12,7 @@ Examples
 --------
 ::
 
-    from gpumagic.ondevice import OnDeviceOptions, run_on_device
+    from gpumagic.ondevice.run import OnDeviceOptions, run_on_device
     result = run_on_device(get_ipython(), "x = torch.zeros(2).cuda()\\nx",
                            OnDeviceOptions(device="cpu"))
     result.value.device          # device(type='cpu')
@@ -24,15 +24,16 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import devices
-from .cells import compile_cell, is_empty, run_compiled
-from .display import fmt_bytes
-from .errors import usage_error
+from .. import devices
+from ..cell.compile import compile_cell, is_empty, run_compiled
+from ..display import fmt_bytes
+from ..errors import usage_error
 
 __all__ = ["OnDeviceOptions", "OnDeviceResult", "Moved", "run_on_device", "resolve_device",
            "plan_moves", "apply_moves"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# gpumagic/, whose frames are left out of the user's tracebacks
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MISSING = object()
 
 
@@ -64,7 +65,7 @@ class OnDeviceResult:
     value: object = None               # the value of the cell's last expression
     ran: bool = False
     moved: list[Moved] = field(default_factory=list)
-    timing: object = None              # gpumagic.timing.Timing with --time
+    timing: object = None              # gpumagic.ondevice.timing.Timing with --time
     rewrites: int = 0                  # places the placement rewrite changed
     recorded: int = 0                  # tensors record_stream-ed with --stream
 
@@ -252,7 +253,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     namespace = shell.user_ns
     to_move = plan_moves(namespace, options.move) if options.move else []
 
-    from .rewrite.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
+    from ..cell.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
     rewriter = PlacementRewriter(namespace) if options.rewrite else None
     try:
         compiled = compile_cell(shell, cell, header=options.header,
@@ -294,7 +295,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             timer.start()
         stream_ctx = None
         if options.stream and on_gpu:
-            from .namespace import names_read
+            from ..cell.names import names_read
             from .streams import side_stream
             used = [namespace[n] for n in names_read(compiled.tree) if n in namespace]
             stream_ctx = side_stream(target, namespace, also=used)

@@ -16,8 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import nvml, session
-from .errors import usage_error
+from .. import session
+from . import nvml
+from ..errors import usage_error
 
 __all__ = [
     "Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices",

@@ -4,7 +4,8 @@ Everything comes from NVML and psutil, so nothing here initialises CUDA.
 """
 from __future__ import annotations
 
-from . import devices, nvml
+from . import discovery as devices
+from . import nvml
 
 __all__ = ["device_report"]
 
@@ -55,7 +56,7 @@ def _torch_allocator(index: int) -> dict:
 
 
 def _add_pycuda(report: dict) -> None:
-    from .pycuda_info import INSTALL_HINT, pycuda_attributes, pycuda_installed
+    from .pycuda_query import INSTALL_HINT, pycuda_attributes, pycuda_installed
     if not pycuda_installed():
         report["notes"].append(INSTALL_HINT)
         return

@@ -21,8 +21,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from . import devices, nvml
-from .display import NA, fmt_bytes, html_table, text_table
+from . import discovery as devices
+from . import nvml
+from ..display import NA, fmt_bytes, html_table, text_table
 
 __all__ = [
     "DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory",
@@ -287,7 +288,7 @@ def snapshot(device: str | None = None, gpus=None) -> MemorySnapshot:
 
     In a notebook::
 
-        from gpumagic.memory import snapshot
+        from gpumagic.devices.memory import snapshot
         snapshot()["cuda:0"].used        # bytes used on cuda:0, from NVML
         snapshot("cpu").rows[0].process  # this kernel's resident memory
     """
@@ -484,7 +485,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
     In a notebook::
 
         x = torch.zeros(1024, 1024, device="cuda:0")
-        from gpumagic.memory import variable_memory
+        from gpumagic.devices.memory import variable_memory
         variable_memory(globals())["x"].nbytes
         4194304
     """

@@ -1,0 +1,18 @@
+"""Devices: discovery through NVML (matched to torch by UUID), facts, memory, pycuda.
+
+``from gpumagic import devices`` gives the discovery API (:mod:`.discovery`);
+the other modules are imported by name where they are needed.
+
+In a notebook::
+
+    from gpumagic import devices
+    devices.visible_gpus()           # [Gpu(index=0, uuid='GPU-...', ...), ...]
+    devices.parse_device("1")        # 'cuda:1'
+"""
+from __future__ import annotations
+
+from .discovery import (Gpu, available_devices, cpu_facts, current_device, default_device, gpu_facts,
+                        parse_device, set_current_device, torch_cuda_initialized, visible_gpus)
+
+__all__ = ["Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices", "parse_device",
+           "default_device", "current_device", "set_current_device", "torch_cuda_initialized"]

@@ -1,0 +1,8 @@
+"""``%%ondevice``: run a cell on a chosen device (:mod:`.run`), with side streams
+(:mod:`.streams`) and honest timing (:mod:`.timing`).
+
+In a notebook::
+
+    %%ondevice cuda:1 --time
+    y = model(x.cuda())
+"""
