@@ -64,7 +64,7 @@ def watch(shell, device: str | None, gpus, interval: float):
         return None
     from IPython.display import display as show
     from ..widgets import monitor
-    mon = monitor.start(memory._targets(device, gpus), interval=interval)
+    mon = monitor.start(memory.targets(device, gpus), interval=interval)
     show(mon.box)
     return mon
 
@@ -104,8 +104,7 @@ class MemoryMagics(Magics):
             %gpumem --vars             # tensors, models, optimizer state by variable
             %gpumem --free             # gc + empty_cache, and what it gave back
         """
-        from ..devices import memory
-        from ..devices import visible_gpus
+        from ..devices import memory, variables, visible_gpus
         args = parse(self.gpumem, line)
         gpus = visible_gpus()
         device = check_args(args, gpus)
@@ -119,12 +118,12 @@ class MemoryMagics(Magics):
             watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL)
             return None
         if args.vars:
-            report = memory.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
-                                            device=device)
+            report = variables.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
+                                               device=device)
             _show(self.shell, report)
             return None
         if args.free:
-            _show(self.shell, memory.free_memory(device, history=self.shell.user_ns.get("Out")))
+            _show(self.shell, variables.free_memory(device, history=self.shell.user_ns.get("Out")))
             return None
         _show(self.shell, memory.snapshot(device, gpus))
         return None

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from gpumagic import devices
-from gpumagic.devices import memory
+from gpumagic.devices import memory, variables
 from gpumagic.display import fmt_bytes
 from tests.conftest import run_cell
 
@@ -124,7 +124,7 @@ head = torch.nn.Linear(256, 256).to("cuda:0")
 head(torch.randn(8, 256, device="cuda:0")).sum().backward()
 on_cpu = torch.ones(10)""")
     assert result.success
-    rep = memory.variable_memory(shell.user_ns, hidden=shell.user_ns_hidden)
+    rep = variables.variable_memory(shell.user_ns, hidden=shell.user_ns_hidden)
     params = (256 * 256 + 256) * 4
     assert rep["x", "cuda:0"].nbytes == 4_000_000
     assert rep["head", "cuda:0"].parts == {"params": params, "grads": params}
