@@ -1,7 +1,9 @@
 """Devices: discovery through NVML (matched to torch by UUID), facts, memory, pycuda.
 
-``from gpumagic import devices`` gives the discovery API (:mod:`.discovery`);
-the other modules are imported by name where they are needed.
+``from gpumagic import devices`` gives the discovery API (:mod:`.discovery`)
+and the per-device facts (:mod:`.facts`); the other modules (:mod:`.memory`,
+:mod:`.variables`, :mod:`.nvml`, :mod:`.pycuda_query`) are imported by name
+where they are needed.
 
 In a notebook::
 
@@ -11,8 +13,17 @@ In a notebook::
 """
 from __future__ import annotations
 
-from .discovery import (Gpu, available_devices, cpu_facts, current_device, default_device, gpu_facts,
-                        parse_device, set_current_device, torch_cuda_initialized, visible_gpus)
+from .discovery import (
+    Gpu,
+    available_devices,
+    current_device,
+    default_device,
+    parse_device,
+    set_current_device,
+    torch_cuda_initialized,
+    visible_gpus,
+)
+from .facts import cpu_facts, gpu_facts
 
 __all__ = ["Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices", "parse_device",
            "default_device", "current_device", "set_current_device", "torch_cuda_initialized"]

@@ -11,19 +11,17 @@ Nothing here imports IPython's shell or creates a CUDA context.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import session
-from . import nvml
 from ..errors import usage_error
+from . import nvml
 
 __all__ = [
-    "Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices",
-    "parse_device", "default_device", "current_device", "set_current_device",
-    "torch_cuda_initialized",
+    "Gpu", "visible_gpus", "available_devices", "parse_device", "default_device", "current_device",
+    "set_current_device", "torch_cuda_initialized", "normalize_bus_id", "multiprocessors", "mps_available",
 ]
 
 
@@ -86,7 +84,7 @@ def _nvml_physical_gpus(nv) -> list[dict]:
             "name": nvml.text(nvml.query(nv.nvmlDeviceGetName, handle)) or "GPU",
             "pci_bus_id": normalize_bus_id(getattr(pci, "busId", None)),
             "cc": tuple(cc) if cc else (0, 0),
-            "sms": _multiprocessors(nv, handle) or 0,
+            "sms": multiprocessors(nv, handle) or 0,
             "migs": [],
         }
         mode = nvml.query(nv.nvmlDeviceGetMigMode, handle)
@@ -109,7 +107,7 @@ _CORES_PER_SM = {(6, 0): 64, (6, 1): 128, (6, 2): 128, (7, 0): 64, (7, 2): 64, (
                  (11, 0): 128, (12, 0): 128, (12, 1): 128}
 
 
-def _multiprocessors(nv, handle) -> int | None:
+def multiprocessors(nv, handle) -> int | None:
     """NVML reports multiprocessors only for MIG devices; elsewhere derive them from the core count."""
     attrs = nvml.query(getattr(nv, "nvmlDeviceGetAttributes", None) or (lambda h: None), handle)
     count = getattr(attrs, "multiprocessorCount", None) if attrs is not None else None
@@ -248,139 +246,7 @@ def _torch_only_gpus() -> list[Gpu]:
     return gpus
 
 
-def _mhz_pair(nv, handle, clock) -> tuple:
-    return (nvml.query(nv.nvmlDeviceGetClockInfo, handle, clock),
-            nvml.query(nv.nvmlDeviceGetMaxClockInfo, handle, clock))
-
-
-def gpu_facts(gpu: Gpu, gpus: list[Gpu] | None = None) -> dict:
-    """Everything people look up about ``gpu``; unsupported fields are ``None``.
-
-    Memory in bytes, power in watts, clocks in MHz, utilisation in percent.
-    """
-    nv = nvml.lib()
-    h = gpu.handle
-    mem = nvml.query(nv.nvmlDeviceGetMemoryInfo, h)
-    util = nvml.query(nv.nvmlDeviceGetUtilizationRates, h)
-    cc = nvml.query(nv.nvmlDeviceGetCudaComputeCapability, h)
-    power = nvml.query(nv.nvmlDeviceGetPowerUsage, h)
-    limit = nvml.query(nv.nvmlDeviceGetEnforcedPowerLimit, h)
-    sm_now, sm_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_SM", 1))
-    mem_now, mem_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_MEM", 2))
-    facts = {
-        "device": gpu.device,
-        "name": gpu.name,
-        "uuid": gpu.uuid,
-        "pci_bus_id": gpu.pci_bus_id,
-        "mig": gpu.mig,
-        "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
-        "multiprocessors": _multiprocessors(nv, h),
-        "memory_total": getattr(mem, "total", None),
-        "memory_used": getattr(mem, "used", None),
-        "memory_free": getattr(mem, "free", None),
-        "utilization_gpu": getattr(util, "gpu", None),
-        "utilization_memory": getattr(util, "memory", None),
-        "temperature_c": nvml.query(nv.nvmlDeviceGetTemperature, h, getattr(nv, "NVML_TEMPERATURE_GPU", 0)),
-        "power_w": power / 1000 if power is not None else None,
-        "power_limit_w": limit / 1000 if limit is not None else None,
-        "clock_sm_mhz": sm_now, "clock_sm_max_mhz": sm_max,
-        "clock_mem_mhz": mem_now, "clock_mem_max_mhz": mem_max,
-        "pcie_generation": nvml.query(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
-        "pcie_width": nvml.query(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
-        "nvlink_peers": _nvlink_peers(nv, h, gpus or []),
-    }
-    if facts["multiprocessors"] is None and torch_cuda_initialized():
-        import torch
-        facts["multiprocessors"] = torch.cuda.get_device_properties(gpu.index).multi_processor_count
-    return facts
-
-
-def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
-    """``{"cuda:1": 18}``: active NVLink links per peer GPU.
-
-    The far end of a link is read by PCI bus id. Where NVML cannot say (links
-    into an NVSwitch fabric, or a virtual machine, report ``ffffffff:ff:ff.0``),
-    GPUs that NVML says are peers over NVLink share all the active links.
-    """
-    max_links = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
-    enabled = getattr(nv, "NVML_FEATURE_ENABLED", 1)
-    by_bus = {g.pci_bus_id: g.device for g in gpus if g.pci_bus_id}
-    peers: dict[str, int] = {}
-    active = 0
-    unknown = 0
-    supported = False
-    for link in range(max_links):
-        state = nvml.query(nv.nvmlDeviceGetNvLinkState, handle, link)
-        if state is None:
-            continue
-        supported = True
-        if state != enabled:
-            continue
-        active += 1
-        remote = nvml.query(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
-        bus = normalize_bus_id(getattr(remote, "busId", None))
-        if bus in by_bus:
-            peers[by_bus[bus]] = peers.get(by_bus[bus], 0) + 1
-        else:
-            unknown += 1
-    if not supported:
-        return None
-    if unknown:
-        p2p = getattr(nv, "nvmlDeviceGetP2PStatus", None)
-        nvlink_index = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 3)
-        ok = getattr(nv, "NVML_P2P_STATUS_OK", 0)
-        fabric_peers = [g.device for g in gpus if g.handle is not None and g.handle is not handle
-                        and p2p is not None and nvml.query(p2p, handle, g.handle, nvlink_index) == ok]
-        for device in fabric_peers:
-            peers[device] = peers.get(device, 0) + unknown
-        if not fabric_peers:
-            peers["other"] = unknown
-    return peers
-
-
-def system_facts() -> dict:
-    """Driver and CUDA versions (NVML) and torch's version (imports torch, not CUDA)."""
-    facts = {"driver_version": None, "cuda_driver_version": None, "nvml": nvml.unavailable_reason() or "ok"}
-    if nvml.available():
-        nv = nvml.lib()
-        facts["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))
-        cuda = nvml.query(nv.nvmlSystemGetCudaDriverVersion)
-        if cuda:
-            facts["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
-    import torch
-    facts["torch_version"] = torch.__version__
-    facts["torch_cuda_version"] = torch.version.cuda
-    facts["cuda_initialized"] = torch_cuda_initialized()
-    return facts
-
-
-def cpu_facts() -> dict:
-    """The CPU as a device: name, cores, memory of the machine and of this kernel."""
-    import psutil
-    vm = psutil.virtual_memory()
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "device": "cpu",
-        "name": name,
-        "cores_logical": psutil.cpu_count(logical=True),
-        "cores_physical": psutil.cpu_count(logical=False),
-        "memory_total": vm.total,
-        "memory_used": vm.total - vm.available,
-        "memory_free": vm.available,
-        "process_rss": psutil.Process().memory_info().rss,
-        "utilization_cpu": psutil.cpu_percent(interval=None),
-    }
-
-
-def _mps_available() -> bool:
+def mps_available() -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
         import torch
@@ -394,7 +260,7 @@ def available_devices(gpus: list[Gpu] | None = None) -> list[str]:
     """Every device a cell can run on, e.g. ``['cpu', 'cuda:0', 'cuda:1', 'meta']``."""
     gpus = visible_gpus() if gpus is None else gpus
     names = ["cpu"] + [g.device for g in gpus]
-    if _mps_available():
+    if mps_available():
         names.append("mps")
     names.append("meta")
     return names
@@ -419,7 +285,7 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
     if text_spec in ("cpu", "meta"):
         return text_spec
     if text_spec in ("mps", "mps:0"):
-        if _mps_available():
+        if mps_available():
             return "mps"
         raise usage_error("device 'mps' is not available on this machine", choices())
     if text_spec == "cuda" or text_spec == "gpu":

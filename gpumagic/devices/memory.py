@@ -266,7 +266,7 @@ def targets(device: str | None, gpus) -> list:
     """``"cpu"``, ``"mps"`` and Gpu objects for ``device`` (None: every device)."""
     if device is None:
         names = ["cpu"] + [g.device for g in gpus]
-        if _torch() is not None and devices._mps_available():
+        if _torch() is not None and devices.mps_available():
             names.append("mps")
     else:
         names = [device]

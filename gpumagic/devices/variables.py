@@ -336,7 +336,7 @@ def free_memory(device: str | None = None, history: dict | None = None) -> FreeR
     collected = gc.collect()
     if cuda:
         torch.cuda.empty_cache()  # releases unused cached blocks on every device
-    mps = torch is not None and "mps" in (device or "mps") and devices._mps_available()
+    mps = torch is not None and "mps" in (device or "mps") and devices.mps_available()
     if mps:
         mps_before = int(torch.mps.driver_allocated_memory())
         torch.mps.empty_cache()

@@ -128,7 +128,7 @@ class InfoMagics(Magics):
             facts = %gpuinfo --json
         """
         from ..devices import parse_device
-        from ..devices.inventory import device_report
+        from ..devices.facts import device_report
 
         args = parse(self.gpuinfo, line)
         device = parse_device(args.device) if args.device is not None else None

@@ -15,9 +15,9 @@ _ACTIONS = ("--watch", "--stop", "--vars", "--free")
 
 def memory_devices(gpus) -> list[str]:
     """The devices ``%gpumem`` can show: the CPU, each GPU, and MPS where present."""
-    from ..devices.discovery import _mps_available
+    from ..devices.discovery import mps_available
     names = ["cpu"] + [g.device for g in gpus]
-    if _mps_available():
+    if mps_available():
         names.append("mps")
     return names
 

@@ -45,7 +45,7 @@ class DevicePicker:
     def __init__(self, report_devices: list[dict] | None = None):
         import ipywidgets as w
         if report_devices is None:
-            from ..devices.inventory import device_report
+            from ..devices.facts import device_report
             report_devices = device_report()["devices"]
         listed = [d for d in report_devices if d["device"] != "meta"] + [{"device": "meta"}]
         options = device_options(listed)

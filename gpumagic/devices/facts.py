@@ -1,0 +1,220 @@
+"""The facts ``%gpuinfo`` shows: every device, as plain data.
+
+:func:`device_report` gathers them: :func:`gpu_facts` per GPU (NVML),
+:func:`cpu_facts` for the CPU (psutil), :func:`system_facts` for the driver
+and torch, and every CUDA attribute through pycuda on request. Everything
+comes from NVML and psutil, so nothing here initialises CUDA.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+from . import nvml
+from .discovery import Gpu, multiprocessors, normalize_bus_id, torch_cuda_initialized, visible_gpus
+
+__all__ = ["device_report", "gpu_facts", "cpu_facts", "system_facts"]
+
+_OTHER_DEVICES = {"meta": "meta tensors (shapes only, no storage)", "mps": "Apple Metal"}
+
+
+def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
+    """``{"system": {...}, "devices": [cpu facts, cuda:0 facts, ...], "notes": [...]}``.
+
+    ``device`` (a canonical name from :func:`~.discovery.parse_device`) keeps one
+    device; ``with_pycuda`` adds every CUDA attribute under ``"attributes"``.
+
+    Examples
+    --------
+    >>> report = device_report()                     # doctest: +SKIP
+    >>> [d["device"] for d in report["devices"]]     # doctest: +SKIP
+    ['cpu', 'cuda:0', 'cuda:1']
+    """
+    system = system_facts()
+    gpus = visible_gpus()
+    found: list[dict] = []
+    notes: list[str] = []
+    if not nvml.available():
+        notes.append(f"{nvml.unavailable_reason()}; GPU facts come from NVML (nvidia-ml-py and an NVIDIA driver)")
+    elif not gpus:
+        notes.append("NVML sees no GPU visible to this process (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    if device in (None, "cpu"):
+        found.append(cpu_facts())
+    for gpu in gpus:
+        if device in (None, gpu.device):
+            facts = gpu_facts(gpu, gpus) if nvml.available() else {"device": gpu.device, "name": gpu.name,
+                                                                   "uuid": gpu.uuid}
+            facts.update(_torch_allocator(gpu.index))
+            found.append(facts)
+    if device in ("meta", "mps"):
+        found.append({"device": device, "name": _OTHER_DEVICES[device]})
+    report = {"system": system, "devices": found, "notes": notes}
+    if with_pycuda:
+        _add_pycuda(report)
+    return report
+
+
+def _torch_allocator(index: int) -> dict:
+    """torch's caching-allocator figures, only where the user already initialised CUDA."""
+    if not torch_cuda_initialized():
+        return {}
+    import torch
+    return {
+        "torch_allocated": torch.cuda.memory_allocated(index),
+        "torch_reserved": torch.cuda.memory_reserved(index),
+        "torch_peak": torch.cuda.max_memory_allocated(index),
+    }
+
+
+def _add_pycuda(report: dict) -> None:
+    from .pycuda_query import INSTALL_HINT, pycuda_attributes, pycuda_installed
+    if not pycuda_installed():
+        report["notes"].append(INSTALL_HINT)
+        return
+    gpus = [d for d in report["devices"] if d["device"].startswith("cuda:")]
+    if not gpus:
+        report["notes"].append("pycuda is installed, but there is no GPU to query")
+        return
+    try:
+        by_bus = pycuda_attributes()
+    except Exception as exc:  # driver missing, query timed out...
+        report["notes"].append(str(exc))
+        return
+    for facts in gpus:
+        entry = by_bus.get(facts.get("pci_bus_id"))
+        if entry is not None:
+            facts["attributes"] = entry["attributes"]
+            facts.setdefault("pycuda_version", entry["pycuda_version"])
+
+
+def _mhz_pair(nv, handle, clock) -> tuple:
+    return (nvml.query(nv.nvmlDeviceGetClockInfo, handle, clock),
+            nvml.query(nv.nvmlDeviceGetMaxClockInfo, handle, clock))
+
+
+def gpu_facts(gpu: Gpu, gpus: list[Gpu] | None = None) -> dict:
+    """Everything people look up about ``gpu``; unsupported fields are ``None``.
+
+    Memory in bytes, power in watts, clocks in MHz, utilisation in percent.
+    """
+    nv = nvml.lib()
+    h = gpu.handle
+    mem = nvml.query(nv.nvmlDeviceGetMemoryInfo, h)
+    util = nvml.query(nv.nvmlDeviceGetUtilizationRates, h)
+    cc = nvml.query(nv.nvmlDeviceGetCudaComputeCapability, h)
+    power = nvml.query(nv.nvmlDeviceGetPowerUsage, h)
+    limit = nvml.query(nv.nvmlDeviceGetEnforcedPowerLimit, h)
+    sm_now, sm_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_SM", 1))
+    mem_now, mem_max = _mhz_pair(nv, h, getattr(nv, "NVML_CLOCK_MEM", 2))
+    facts = {
+        "device": gpu.device,
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "pci_bus_id": gpu.pci_bus_id,
+        "mig": gpu.mig,
+        "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
+        "multiprocessors": multiprocessors(nv, h),
+        "memory_total": getattr(mem, "total", None),
+        "memory_used": getattr(mem, "used", None),
+        "memory_free": getattr(mem, "free", None),
+        "utilization_gpu": getattr(util, "gpu", None),
+        "utilization_memory": getattr(util, "memory", None),
+        "temperature_c": nvml.query(nv.nvmlDeviceGetTemperature, h, getattr(nv, "NVML_TEMPERATURE_GPU", 0)),
+        "power_w": power / 1000 if power is not None else None,
+        "power_limit_w": limit / 1000 if limit is not None else None,
+        "clock_sm_mhz": sm_now, "clock_sm_max_mhz": sm_max,
+        "clock_mem_mhz": mem_now, "clock_mem_max_mhz": mem_max,
+        "pcie_generation": nvml.query(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+        "pcie_width": nvml.query(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+        "nvlink_peers": _nvlink_peers(nv, h, gpus or []),
+    }
+    if facts["multiprocessors"] is None and torch_cuda_initialized():
+        import torch
+        facts["multiprocessors"] = torch.cuda.get_device_properties(gpu.index).multi_processor_count
+    return facts
+
+
+def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
+    """``{"cuda:1": 18}``: active NVLink links per peer GPU.
+
+    The far end of a link is read by PCI bus id. Where NVML cannot say (links
+    into an NVSwitch fabric, or a virtual machine, report ``ffffffff:ff:ff.0``),
+    GPUs that NVML says are peers over NVLink share all the active links.
+    """
+    max_links = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
+    enabled = getattr(nv, "NVML_FEATURE_ENABLED", 1)
+    by_bus = {g.pci_bus_id: g.device for g in gpus if g.pci_bus_id}
+    peers: dict[str, int] = {}
+    active = 0
+    unknown = 0
+    supported = False
+    for link in range(max_links):
+        state = nvml.query(nv.nvmlDeviceGetNvLinkState, handle, link)
+        if state is None:
+            continue
+        supported = True
+        if state != enabled:
+            continue
+        active += 1
+        remote = nvml.query(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
+        bus = normalize_bus_id(getattr(remote, "busId", None))
+        if bus in by_bus:
+            peers[by_bus[bus]] = peers.get(by_bus[bus], 0) + 1
+        else:
+            unknown += 1
+    if not supported:
+        return None
+    if unknown:
+        p2p = getattr(nv, "nvmlDeviceGetP2PStatus", None)
+        nvlink_index = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 3)
+        ok = getattr(nv, "NVML_P2P_STATUS_OK", 0)
+        fabric_peers = [g.device for g in gpus if g.handle is not None and g.handle is not handle
+                        and p2p is not None and nvml.query(p2p, handle, g.handle, nvlink_index) == ok]
+        for device in fabric_peers:
+            peers[device] = peers.get(device, 0) + unknown
+        if not fabric_peers:
+            peers["other"] = unknown
+    return peers
+
+
+def system_facts() -> dict:
+    """Driver and CUDA versions (NVML) and torch's version (imports torch, not CUDA)."""
+    facts = {"driver_version": None, "cuda_driver_version": None, "nvml": nvml.unavailable_reason() or "ok"}
+    if nvml.available():
+        nv = nvml.lib()
+        facts["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))
+        cuda = nvml.query(nv.nvmlSystemGetCudaDriverVersion)
+        if cuda:
+            facts["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+    import torch
+    facts["torch_version"] = torch.__version__
+    facts["torch_cuda_version"] = torch.version.cuda
+    facts["cuda_initialized"] = torch_cuda_initialized()
+    return facts
+
+
+def cpu_facts() -> dict:
+    """The CPU as a device: name, cores, memory of the machine and of this kernel."""
+    import psutil
+    vm = psutil.virtual_memory()
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "device": "cpu",
+        "name": name,
+        "cores_logical": psutil.cpu_count(logical=True),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "memory_total": vm.total,
+        "memory_used": vm.total - vm.available,
+        "memory_free": vm.available,
+        "process_rss": psutil.Process().memory_info().rss,
+        "utilization_cpu": psutil.cpu_percent(interval=None),
+    }

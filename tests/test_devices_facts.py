@@ -1,0 +1,44 @@
+"""The facts %gpuinfo shows per GPU, against a stand-in NVML: unsupported fields, NVLink peers."""
+from __future__ import annotations
+
+import pytest
+
+from gpumagic import devices
+from gpumagic.devices import nvml
+from tests.fake_nvml import fabric_machine, four_gpu_machine
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    fake = four_gpu_machine()
+    nvml.use(fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    yield fake
+    nvml.use(None)
+
+
+def test_facts_are_matched_by_uuid_and_unsupported_fields_are_none(machine):
+    gpus = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1,0"})
+    facts = [devices.gpu_facts(g, gpus) for g in gpus]
+    # cuda:1 is NVML's device 1: 5 GiB used.
+    assert facts[1]["uuid"] == "GPU-bbbb2222" and facts[1]["memory_used"] == 5 * 2**30
+    assert facts[1]["memory_free"] == 136 * 2**30
+    assert facts[1]["compute_capability"] == "9.0" and facts[1]["multiprocessors"] == 132
+    assert facts[1]["power_w"] == 123.0 and facts[1]["pcie_generation"] == 5
+    # NVLink peers are named by torch index where the peer is visible, else by bus id.
+    assert facts[1]["nvlink_peers"] == {"cuda:2": 2}
+    # cuda:0 (NVML 3) supports nothing beyond memory: n/a, no exception.
+    assert facts[0]["temperature_c"] is None and facts[0]["utilization_gpu"] is None
+    assert facts[0]["nvlink_peers"] is None and facts[0]["memory_total"] == 141 * 2**30
+
+
+def test_fabric_links_and_multiprocessors_from_core_count():
+    nvml.use(fabric_machine())
+    try:
+        gpus = devices.visible_gpus({})
+        facts = devices.gpu_facts(gpus[0], gpus)
+        assert facts["nvlink_peers"] == {"cuda:1": 3}
+        assert facts["multiprocessors"] == 132  # 16896 cores / 128 per SM on compute capability 9.0
+    finally:
+        nvml.use(None)
