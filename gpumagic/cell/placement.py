@@ -12,12 +12,13 @@ default-device context is a ``TorchFunctionMode`` that intercepts *every*
 torch call, which made a loop of small ops about 80% slower on the CPU; an
 explicit ``device=`` costs nothing measurable (``benchmarks/ondevice.py``).
 
-Two parts live here, because they change together:
+Two parts, which change together:
 
-* :class:`PlacementRewriter`, an ``ast.NodeTransformer``. Rewritten calls go
-  through one helper name, :data:`HELPER`, so the cell's own names are never
-  touched; new nodes carry the user's line numbers.
-* :class:`Placement`, the object bound to :data:`HELPER` while the cell runs.
+* :class:`PlacementRewriter` (in :mod:`.placement_rewrite`), an
+  ``ast.NodeTransformer``. Rewritten calls go through one helper name,
+  :data:`HELPER`, so the cell's own names are never touched; new nodes carry
+  the user's line numbers.
+* :class:`Placement` (here), the object bound to :data:`HELPER` while the cell runs.
   ``Placement(None)`` passes every call through unchanged; it is what a
   function defined in such a cell finds (in ``builtins``) when called after
   the cell, so such functions keep their original behaviour outside
@@ -58,365 +59,15 @@ In a notebook::
 """
 from __future__ import annotations
 
-import ast
 import builtins
 import contextlib
 import numbers
-import sys
-from functools import lru_cache
-from types import ModuleType
 
-__all__ = ["HELPER", "PlacementRewriter", "Placement", "rewrite_placement", "passthrough",
+from .placement_rewrite import HELPER, LEGACY_TYPES, PlacementRewriter, is_cuda_name, lookup, rewrite_placement
+
+__all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_placement", "passthrough",
            "install_passthrough", "modules_on"]
 
-#: The one name the rewritten code uses; bound in the cell's namespace while it runs.
-HELPER = "__gpumagic_device__"
-
-LEGACY_TYPES = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
-                "IntTensor", "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor")
-_LEGACY_CUDA = frozenset(f"torch.cuda.{t}" for t in LEGACY_TYPES)
-_LEGACY_CPU = frozenset([f"torch.{t}" for t in LEGACY_TYPES] + ["torch.Tensor"])
-
-# Factories that take ``device=`` and otherwise use the default device; the
-# same set torch's own default-device context redirects (torch/utils/_device.py).
-FACTORIES = frozenset(f"torch.{f}" for f in (
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
-    "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray", "scalar_tensor",
-    "empty_strided", "empty_permuted", "tril_indices", "triu_indices", "bartlett_window",
-    "blackman_window", "hamming_window", "hann_window", "kaiser_window", "sparse_coo_tensor",
-    "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
-    "sparse_compressed_tensor",
-))
-LIKE_FACTORIES = frozenset(f"torch.{f}" for f in (
-    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-))
-# Arguments that make an added ``device=`` wrong or redundant.
-_NO_DEVICE_WITH = frozenset({"device", "out", "generator", "pin_memory", None})
-
-_CUDA_CALLS = {f"torch.cuda.{n}": f"cuda_{n}" for n in (
-    "is_available", "device_count", "current_device", "set_device", "synchronize", "device")}
-_DEVICE_KEYWORDS = ("device", "map_location")
-# ``x.to(torch.float16)`` needs no help: these keywords and dtype names never name a device.
-_TO_HARMLESS_KEYWORDS = frozenset({"dtype", "non_blocking", "copy", "memory_format"})
-_CONVENTIONAL = {"torch": "torch", "nn": "torch.nn"}
-_UNBOUND = {"torch.Tensor.cuda": "cuda", "torch.nn.Module.cuda": "cuda",
-            "torch.Tensor.to": "to", "torch.nn.Module.to": "to"}
-
-
-def _is_cuda_name(value) -> bool:
-    """``'cuda'``, ``'cuda:1'`` (what torch.device parses as CUDA)."""
-    return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:"))
-
-
-def _is_cuda_constant(value) -> bool:
-    # An int device is a CUDA index for torch (``device=0`` is cuda:0).
-    return _is_cuda_name(value) or (isinstance(value, int) and not isinstance(value, bool))
-
-
-_KNOWN: dict | None = None
-
-
-def _known_objects() -> dict:
-    """id -> dotted name for torch objects a notebook may have imported by name."""
-    global _KNOWN
-    if _KNOWN is not None:
-        return _KNOWN
-    if "torch" not in sys.modules:
-        return {}
-    names = ["torch.device", "torch.Tensor", "torch.nn.Module", "torch.set_default_device", "torch.load"]
-    names += list(FACTORIES) + list(LIKE_FACTORIES) + list(_LEGACY_CPU) + list(_LEGACY_CUDA) + list(_CUDA_CALLS)
-    known = {}
-    for name in names:
-        obj = _lookup(name)
-        if obj is not None:
-            known[id(obj)] = name
-    _KNOWN = known
-    return known
-
-
-def _lookup(dotted: str):
-    """The object a dotted torch name refers to, or None (imports nothing)."""
-    parts = dotted.split(".")
-    obj = sys.modules.get(parts[0])
-    for part in parts[1:]:
-        if obj is None:
-            return None
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _takes_device(dotted: str) -> bool:
-    """True for a ``torch.nn`` module class whose constructor accepts ``device=``."""
-    if "torch" not in sys.modules:
-        return False   # not cached: torch may be imported later
-    return _class_takes_device(dotted)
-
-
-@lru_cache(maxsize=512)
-def _class_takes_device(dotted: str) -> bool:
-    torch = sys.modules["torch"]
-    cls = _lookup(dotted)
-    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
-        return False
-    import inspect
-    for klass in cls.__mro__:
-        if klass is torch.nn.Module:
-            break
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            params = inspect.signature(init).parameters
-        except (TypeError, ValueError):
-            return False
-        if "device" in params:
-            return True
-        # ``LSTM(*args, **kwargs)`` hands everything to its base; keep looking there.
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return False
-    return False
-
-
-class _Resolver:
-    """Dotted names for the cell's expressions: ``th.cuda.FloatTensor`` -> ``torch.cuda.FloatTensor``.
-
-    A name is resolved through the cell's own imports first, then the
-    notebook's namespace (modules by ``__name__``, torch objects by identity),
-    then the conventional ``torch`` and ``nn``.
-    """
-
-    def __init__(self, tree: ast.AST, namespace: dict | None):
-        self.namespace = namespace if namespace is not None else {}
-        self.imports: dict[str, str] = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.asname:
-                        self.imports[alias.asname] = alias.name
-                    else:
-                        first = alias.name.split(".")[0]
-                        self.imports[first] = first
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                for alias in node.names:
-                    if alias.name != "*":
-                        self.imports[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-        self._cache: dict[str, str | None] = {}
-
-    def name(self, ident: str) -> str | None:
-        if ident in self._cache:
-            return self._cache[ident]
-        resolved = None
-        if ident in self.imports:
-            resolved = self.imports[ident]
-        elif ident in self.namespace:
-            value = self.namespace[ident]
-            if isinstance(value, ModuleType):
-                resolved = value.__name__
-            else:
-                resolved = _known_objects().get(id(value))
-                torch = sys.modules.get("torch")
-                if resolved is None and torch is not None and isinstance(value, type) \
-                        and issubclass(value, torch.nn.Module) and value.__module__.startswith("torch."):
-                    resolved = f"{value.__module__}.{value.__qualname__}"
-        else:
-            resolved = _CONVENTIONAL.get(ident)
-        self._cache[ident] = resolved
-        return resolved
-
-    def dotted(self, node: ast.AST) -> str | None:
-        parts = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        if not isinstance(node, ast.Name):
-            return None
-        base = self.name(node.id)
-        if base is None:
-            return None
-        return ".".join([base, *reversed(parts)])
-
-
-class PlacementRewriter(ast.NodeTransformer):
-    """Rewrite CUDA-specific placement so that it goes through :data:`HELPER`.
-
-    ``namespace`` (the notebook's ``user_ns``) resolves aliases such as
-    ``import torch as th``. After ``visit``, ``rewrites`` counts rewritten
-    spots and ``nested`` tells whether any is inside a function, lambda or
-    generator, which may run after the cell.
-
-    Examples
-    --------
-    >>> tree = ast.parse("a = torch.zeros(2).cuda()")
-    >>> print(ast.unparse(PlacementRewriter().visit(tree)))
-    a = torch.zeros(2, device=__gpumagic_device__.cuda_target)
-    """
-
-    def __init__(self, namespace: dict | None = None, helper: str = HELPER):
-        self.namespace = namespace
-        self.helper = helper
-        self.rewrites = 0
-        self.nested = False
-        self._depth = 0
-        self._resolver: _Resolver | None = None
-
-    # -- entry points and scopes ------------------------------------------
-    def visit(self, node):
-        if self._resolver is None:
-            self._resolver = _Resolver(node, self.namespace)
-        return super().visit(node)
-
-    def _scoped(self, node):
-        self._depth += 1
-        try:
-            self.generic_visit(node)
-        finally:
-            self._depth -= 1
-        return node
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_GeneratorExp = _scoped
-
-    # -- building blocks ---------------------------------------------------
-    def _h(self, attr: str | None = None):
-        self.rewrites += 1
-        if self._depth:
-            self.nested = True
-        name = ast.Name(id=self.helper, ctx=ast.Load())
-        return ast.Attribute(value=name, attr=attr, ctx=ast.Load()) if attr else name
-
-    def _call(self, method: str, args, keywords, like: ast.AST) -> ast.Call:
-        call = ast.Call(func=self._h(method), args=list(args), keywords=list(keywords))
-        return ast.copy_location(call, like)
-
-    def _dotted(self, node) -> str | None:
-        return self._resolver.dotted(node) if self._resolver else None
-
-    def _kw(self, node: ast.Call, name):
-        return next((k for k in node.keywords if k.arg == name), None)
-
-    def _add_device(self, node: ast.Call, attr: str = "target") -> None:
-        value = ast.copy_location(self._h(attr), node)
-        node.keywords.append(ast.copy_location(ast.keyword(arg="device", value=value), node))
-
-    # -- the rewrite -------------------------------------------------------
-    def visit_Attribute(self, node: ast.Attribute):
-        self.generic_visit(node)
-        if node.attr == "is_cuda" and isinstance(node.ctx, ast.Load) and self._dotted(node.value) is None:
-            return self._call("is_cuda", [node.value], [], node)
-        return node
-
-    def visit_Call(self, node: ast.Call):
-        folded = self._fold(node)
-        if folded is not None:
-            return folded
-        self.generic_visit(node)
-        self._rewrite_keywords(node)
-        func = node.func
-        name = self._dotted(func)
-
-        if name is None and isinstance(func, ast.Attribute):
-            return self._method(node, func)
-        if name is None:
-            return node
-        if name in _UNBOUND and node.args:
-            return self._call(_UNBOUND[name], node.args, node.keywords, node)
-        if name == "torch.device":
-            return self._call("device", node.args, node.keywords, node)
-        if name in _LEGACY_CUDA or (name in _LEGACY_CPU and self._kw(node, "device")):
-            return self._call("legacy", [func, *node.args], node.keywords, node)
-        if name in _CUDA_CALLS:
-            return self._call(_CUDA_CALLS[name], node.args, node.keywords, node)
-        if name in LIKE_FACTORIES:
-            if node.args and not any(k.arg in ("device", None) for k in node.keywords):
-                return self._call("like", [func, *node.args], node.keywords, node)
-            return node
-        if name in FACTORIES or (name.startswith("torch.nn.") and _takes_device(name)):
-            if not any(k.arg in _NO_DEVICE_WITH for k in node.keywords):
-                self._add_device(node)
-            return node
-        if name == "torch.set_default_device" and node.args:
-            node.args[0] = ast.copy_location(ast.Call(self._h("map"), [node.args[0]], []), node.args[0])
-        elif name == "torch.load" and len(node.args) > 1:
-            node.args[1] = ast.copy_location(ast.Call(self._h("map"), [node.args[1]], []), node.args[1])
-        return node
-
-    def _method(self, node: ast.Call, func: ast.Attribute):
-        """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.pin_memory()``."""
-        attr, receiver = func.attr, func.value
-        if attr == "cuda":
-            return self._call("cuda", [receiver, *node.args], node.keywords, node)
-        if attr == "to" and self._to_may_move(node):
-            return self._call("to", [receiver, *node.args], node.keywords, node)
-        if attr == "type" and len(node.args) == 1 and not node.keywords and self._is_cuda_type(node.args[0]):
-            return self._call("retype", [receiver, node.args[0]], [], node)
-        if attr == "pin_memory" and not node.args and not node.keywords:
-            return self._call("pin_memory", [receiver], [], node)
-        return node
-
-    def _to_may_move(self, node: ast.Call) -> bool:
-        if any(k.arg not in _TO_HARMLESS_KEYWORDS for k in node.keywords):
-            return True
-        if not node.args:
-            return False
-        first = node.args[0]
-        if isinstance(first, ast.Constant) and not _is_cuda_constant(first.value):
-            return False
-        dotted = self._dotted(first)
-        if dotted and dotted.startswith("torch.") and "." not in dotted[6:]:
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(_lookup(dotted), torch.dtype):
-                return False
-        return True
-
-    def _is_cuda_type(self, node) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in _LEGACY_CUDA
-        return self._dotted(node) in _LEGACY_CUDA
-
-    def _fold(self, node: ast.Call):
-        """``torch.FloatTensor(d).cuda()`` and ``torch.zeros(n).cuda()`` allocate on DEVICE directly."""
-        func = node.func
-        if not (isinstance(func, ast.Attribute) and func.attr == "cuda" and isinstance(func.value, ast.Call)):
-            return None
-        if node.args or any(k.arg != "non_blocking" for k in node.keywords):
-            return None
-        inner = func.value
-        name = self._dotted(inner.func)
-        if name is None or any(isinstance(a, ast.Starred) for a in inner.args):
-            return None
-        if name in _LEGACY_CPU and not inner.keywords:
-            inner.args = [self.visit(a) for a in inner.args]
-            return self._call("legacy_cuda", [inner.func, *inner.args], [], node)
-        if name in FACTORIES and not any(k.arg in _NO_DEVICE_WITH for k in inner.keywords):
-            self.generic_visit(inner)
-            self._rewrite_keywords(inner)
-            self._add_device(inner, "cuda_target")
-            return ast.copy_location(inner, node)
-        return None
-
-    def _rewrite_keywords(self, node: ast.Call) -> None:
-        for kw in node.keywords:
-            value = kw.value
-            if kw.arg in _DEVICE_KEYWORDS:
-                if isinstance(value, ast.Constant):
-                    if _is_cuda_constant(value.value):
-                        # ``(H.target or 'cuda:0')``: DEVICE while a cell runs, the original after.
-                        kw.value = ast.copy_location(ast.BoolOp(op=ast.Or(), values=[self._h("target"), value]), value)
-                else:
-                    kw.value = ast.copy_location(ast.Call(self._h("map"), [value], []), value)
-            elif kw.arg == "pin_memory" and not (isinstance(value, ast.Constant) and not value.value):
-                kw.value = ast.copy_location(ast.Call(self._h("pin"), [value], []), value)
-
-
-def rewrite_placement(tree: ast.AST, namespace: dict | None = None, helper: str = HELPER):
-    """Rewrite ``tree`` in place; returns ``(tree, rewriter)`` (the rewriter holds the counts)."""
-    rewriter = PlacementRewriter(namespace, helper)
-    tree = ast.fix_missing_locations(rewriter.visit(tree))
-    return tree, rewriter
-
-
-# ---------------------------------------------------------------------------
-# Runtime: what the rewritten code calls.
-# ---------------------------------------------------------------------------
 
 class Placement:
     """Where rewritten code puts things: ``Placement('cuda:1')``, or ``Placement(None)`` to pass through.
@@ -458,7 +109,7 @@ class Placement:
         if isinstance(device, self._torch.device):
             return target if device.type == "cuda" else device
         if isinstance(device, str):
-            return target if _is_cuda_name(device) else device
+            return target if is_cuda_name(device) else device
         if isinstance(device, int) and not isinstance(device, bool):
             return target
         if isinstance(device, dict):  # torch.load(map_location={'cuda:1': 'cuda:0'})
@@ -537,7 +188,7 @@ class Placement:
         if self.target is None:
             return obj.type(kind)
         name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__name__}"
-        dtype = getattr(_lookup(name.replace("torch.cuda.", "torch.", 1)), "dtype", None)
+        dtype = getattr(lookup(name.replace("torch.cuda.", "torch.", 1)), "dtype", None)
         return obj.to(self.target, dtype)
 
     # -- making ---------------------------------------------------------------
