@@ -1,5 +1,6 @@
-"""``%%ondevice``: run a cell on a chosen device (:mod:`.run`), with side streams
-(:mod:`.streams`) and honest timing (:mod:`.timing`).
+"""``%%ondevice``: run a cell on a chosen device (:mod:`.run`), moving variables
+there first (:mod:`.moves`), with side streams (:mod:`.streams`) and honest
+timing (:mod:`.timing`).
 
 In a notebook::
 

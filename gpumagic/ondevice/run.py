@@ -6,7 +6,8 @@ show ``Cell In[n], line k`` with the user's source), rewrites CUDA-specific
 placement to follow the device (:mod:`gpumagic.cell.placement`), runs it
 with the device current, and puts everything back afterwards: torch's
 default device, the current CUDA device and the current stream are what they
-were before, whether the cell succeeded or raised.
+were before, whether the cell succeeded or raised. ``--move`` is
+:mod:`.moves`; ``--stream`` and ``--time`` are :mod:`.streams` and :mod:`.timing`.
 
 Examples
 --------
@@ -26,8 +27,9 @@ from typing import Callable
 
 from .. import devices
 from ..cell.compile import compile_cell, is_empty, run_compiled
-from ..display import fmt_bytes
+from ..cell.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
 from ..errors import usage_error
+from .moves import Moved, apply_moves, move_note, plan_moves
 
 __all__ = ["OnDeviceOptions", "OnDeviceResult", "Moved", "run_on_device", "resolve_device",
            "plan_moves", "apply_moves"]
@@ -47,15 +49,6 @@ class OnDeviceOptions:
     move: tuple[str, ...] = ()
     rewrite: bool = True
     header: str = "%%ondevice"         # the magic's line, kept so line numbers match the notebook
-
-
-@dataclass
-class Moved:
-    """One ``--move`` variable: what it was and how many bytes changed device."""
-    name: str
-    kind: str            # "tensor" or the module's class name
-    nbytes: int          # bytes that were elsewhere and now are on the device
-    already: bool        # everything was on the device already
 
 
 @dataclass
@@ -89,71 +82,6 @@ def resolve_device(spec) -> str:
     if spec is None or str(spec).strip() == "":
         return devices.default_device(gpus)
     return devices.parse_device(spec, gpus)
-
-
-# -- --move ----------------------------------------------------------------------
-
-def _movable(namespace: dict) -> list[str]:
-    import torch
-    return sorted(n for n, v in namespace.items()
-                  if not n.startswith("_") and isinstance(v, (torch.Tensor, torch.nn.Module)))
-
-
-def plan_moves(namespace: dict, names) -> list[str]:
-    """Check ``--move`` names before anything changes; ``UsageError`` names the movable variables."""
-    import torch
-    planned: list[str] = []
-    for name in names:
-        if name in planned:
-            continue
-        if name not in namespace:
-            raise usage_error(f"--move {name!r}: no such variable in the notebook", _movable(namespace))
-        value = namespace[name]
-        if not isinstance(value, (torch.Tensor, torch.nn.Module)):
-            raise usage_error(f"--move {name!r} is a {type(value).__name__}, not a tensor or torch.nn.Module",
-                              _movable(namespace))
-        planned.append(name)
-    return planned
-
-
-def apply_moves(namespace: dict, names: list[str], device: str) -> list[Moved]:
-    """Move modules in place and rebind tensors (parameters stay parameters)."""
-    import torch
-    target = torch.device(device)
-    moved = []
-    for name in names:
-        value = namespace[name]
-        if isinstance(value, torch.nn.Module):
-            tensors = list(value.parameters()) + list(value.buffers())
-            nbytes = sum(t.nelement() * t.element_size() for t in tensors if t.device != target)
-            value.to(target)
-            moved.append(Moved(name, type(value).__name__, nbytes, nbytes == 0 and
-                               all(t.device == target for t in tensors)))
-        else:
-            elsewhere = value.device != target
-            nbytes = value.nelement() * value.element_size() if elsewhere else 0
-            if elsewhere:
-                new = value.detach().to(target) if isinstance(value, torch.nn.Parameter) else value.to(target)
-                if isinstance(value, torch.nn.Parameter):
-                    new = torch.nn.Parameter(new, requires_grad=value.requires_grad)
-                namespace[name] = new
-            moved.append(Moved(name, "tensor", nbytes, not elsewhere))
-    return moved
-
-
-def move_note(moved: list[Moved], device) -> str | None:
-    """``moved to cuda:1: model (Sequential, 1.6 KiB), x (tensor, 8 B); 1.6 KiB in all``."""
-    if not moved:
-        return None
-    went = [m for m in moved if not m.already]
-    stayed = [m.name for m in moved if m.already]
-    parts = []
-    if went:
-        listed = ", ".join(f"{m.name} ({m.kind}, {fmt_bytes(m.nbytes)})" for m in went)
-        parts.append(f"moved to {device}: {listed}; {fmt_bytes(sum(m.nbytes for m in went))} in all")
-    if stayed:
-        parts.append(f"already on {device}: {', '.join(stayed)}")
-    return "; ".join(parts)
 
 
 # -- device state ------------------------------------------------------------------
@@ -234,6 +162,65 @@ def _check_torch_cuda(torch, target) -> None:
 
 # -- the run -------------------------------------------------------------------------
 
+class _CellScope:
+    """What a cell changes around it while it runs, and putting it back.
+
+    ``enter()`` makes the device current, binds the placement helper and
+    places modules built during the cell (or, without the rewrite, makes the
+    device torch's default); ``exit()`` undoes all of it and restores
+    :class:`_DeviceState`, whether the cell succeeded or raised.
+    """
+
+    def __init__(self, torch, target, namespace: dict, rewriter: PlacementRewriter | None):
+        self.torch, self.target, self.namespace, self.rewriter = torch, target, namespace, rewriter
+        self.state = _DeviceState(torch, target)
+        self.previous_helper = namespace.get(HELPER, _MISSING)
+        self.hooks = None
+
+    def enter(self) -> None:
+        __tracebackhide__ = True
+        torch, target = self.torch, self.target
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+        if self.rewriter is not None:
+            self.namespace[HELPER] = Placement(target)
+            if self.rewriter.nested:
+                install_passthrough(HELPER)
+            if target.type != "cpu":
+                self.hooks = modules_on(target)
+                self.hooks.__enter__()
+        elif target.type != "cpu" or self.state.default is not None:
+            torch.set_default_device(target)
+
+    def exit(self) -> None:
+        __tracebackhide__ = True
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+        if self.rewriter is not None:
+            if self.previous_helper is _MISSING:
+                self.namespace.pop(HELPER, None)
+            else:
+                self.namespace[HELPER] = self.previous_helper
+        self.state.restore()
+
+
+def _enter_side_stream(target, compiled, namespace: dict):
+    """``--stream``: make a side stream current (:mod:`.streams`); returns ``(context, info)`` to exit later."""
+    from ..cell.names import names_read
+    from .streams import side_stream
+    used = [namespace[n] for n in names_read(compiled.tree) if n in namespace]
+    context = side_stream(target, namespace, also=used)
+    return context, context.__enter__()
+
+
+def _synchronize(torch, target) -> None:
+    """``--sync``: wait for the device to finish the cell's work."""
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
+    elif target.type == "mps":
+        torch.mps.synchronize()
+
+
 def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
                   note: Callable[[str], None] | None = None) -> OnDeviceResult:
     """Run ``cell`` in ``shell.user_ns`` on ``options.device``; returns an :class:`OnDeviceResult`.
@@ -244,7 +231,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     gpumagic's frames left out of their traceback. ``note`` receives short
     messages for the user (what ``--move`` moved).
     """
-    __tracebackhide__ = True  # noqa: F841
+    __tracebackhide__ = True
     options = options or OnDeviceOptions()
     if is_empty(cell):
         return OnDeviceResult(device=None)
@@ -252,80 +239,50 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     device = resolve_device(options.device)
     namespace = shell.user_ns
     to_move = plan_moves(namespace, options.move) if options.move else []
-
-    from ..cell.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
     rewriter = PlacementRewriter(namespace) if options.rewrite else None
     try:
         compiled = compile_cell(shell, cell, header=options.header,
                                 transformers=[rewriter] if rewriter is not None else [])
     except SyntaxError as exc:
         # The error carries the user's file and line; the compiler's frames say nothing more.
-        raise exc.with_traceback(None)
+        raise exc.with_traceback(None)  # noqa: B904 - the same error, its context kept as it is
 
     target = torch.device(device)
-    on_gpu = target.type == "cuda"
-    if on_gpu:
+    if target.type == "cuda":
         _check_torch_cuda(torch, target)
     result = OnDeviceResult(device=device, rewrites=rewriter.rewrites if rewriter else 0)
     if to_move:
         result.moved = apply_moves(namespace, to_move, device)
-        if note is not None:
-            note(move_note(result.moved, device))
+        said = move_note(result.moved, device)
+        if note is not None and said:
+            note(said)
 
-    state = _DeviceState(torch, target)
-    previous_helper = namespace.get(HELPER, _MISSING)
-    hooks = None
+    scope = _CellScope(torch, target, namespace, rewriter)
     try:
-        if on_gpu:
-            torch.cuda.set_device(target)
-        if rewriter is not None:
-            namespace[HELPER] = Placement(target)
-            if rewriter.nested:
-                install_passthrough(HELPER)
-            if target.type != "cpu":
-                hooks = modules_on(target)
-                hooks.__enter__()
-        elif target.type != "cpu" or state.default is not None:
-            torch.set_default_device(target)
-
+        scope.enter()
         timer = None
         if options.time:
             from .timing import CellTimer
             timer = CellTimer(target)
             timer.start()
-        stream_ctx = None
-        if options.stream and on_gpu:
-            from ..cell.names import names_read
-            from .streams import side_stream
-            used = [namespace[n] for n in names_read(compiled.tree) if n in namespace]
-            stream_ctx = side_stream(target, namespace, also=used)
-            stream_info = stream_ctx.__enter__()
+        stream = _enter_side_stream(target, compiled, namespace) if options.stream and target.type == "cuda" else None
         try:
+            # Run here, not in a helper: each frame of ours would add to IPython's "skipping hidden" count.
             try:
                 result.value = run_compiled(compiled, namespace)
-            except BaseException as exc:
-                raise exc.with_traceback(_user_traceback(exc.__traceback__))
-            if stream_ctx is not None:
-                stream_info.extra.append(result.value)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, only its traceback shortened
+                raise exc.with_traceback(_user_traceback(exc.__traceback__))  # noqa: B904 - the cell's own error
+            if stream is not None:
+                stream[1].extra.append(result.value)
         finally:
-            if stream_ctx is not None:
-                stream_ctx.__exit__(None, None, None)
-                result.recorded = stream_info.recorded
+            if stream is not None:
+                stream[0].__exit__(None, None, None)
+                result.recorded = stream[1].recorded
         result.ran = True
         if timer is not None:
             result.timing = timer.stop()
         if options.sync:
-            if on_gpu:
-                torch.cuda.synchronize(target)
-            elif target.type == "mps":
-                torch.mps.synchronize()
+            _synchronize(torch, target)
     finally:
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-        if rewriter is not None:
-            if previous_helper is _MISSING:
-                namespace.pop(HELPER, None)
-            else:
-                namespace[HELPER] = previous_helper
-        state.restore()
+        scope.exit()
     return result

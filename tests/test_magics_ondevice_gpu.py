@@ -1,6 +1,6 @@
 """%%ondevice on real GPUs: placement, the stream race, honest timing.
 
-Run on the GPU machine: ``python -m pytest tests/test_ondevice_gpu.py -m gpu -q``.
+Run on the GPU machine: ``python -m pytest tests/test_magics_ondevice_gpu.py -m gpu -q``.
 """
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def test_stream_race_prevented_with_eager_module_loading():
         "import json, sys; sys.path[:0] = [%r, %r]\n"
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "sh = InteractiveShell.instance(); sh.run_line_magic('load_ext', 'gpumagic')\n"
-        "import test_ondevice_gpu as t\n"
+        "import test_magics_ondevice_gpu as t\n"
         "print('RESULT ' + json.dumps(t.race_experiment(sh)))\n"
     ) % (ROOT, TESTS)
     env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")

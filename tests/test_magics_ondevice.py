@@ -10,7 +10,6 @@ import torch
 from tests.conftest import run_cell
 from gpumagic import session
 from gpumagic.errors import UsageError
-from gpumagic.ondevice.run import OnDeviceOptions, run_on_device
 from gpumagic.devices import visible_gpus
 from gpumagic.cell.placement import HELPER
 
@@ -298,11 +297,3 @@ def test_time_reports_wall_on_cpu(shell):
 def test_stream_and_sync_are_harmless_on_cpu(shell):
     result, _ = ok(shell, "%%ondevice cpu --stream --sync\nimport torch\ntorch.ones(2).cuda().sum()\n")
     assert result.result.item() == 2.0
-
-
-def test_run_on_device_plain_function(shell):
-    shell.user_ns["torch"] = torch
-    result = run_on_device(shell, "a = torch.cuda.HalfTensor(2, 2)\na.shape", OnDeviceOptions(device="meta"))
-    assert result.device == "meta" and result.ran and tuple(result.value) == (2, 2)
-    assert result.rewrites == 1 and shell.user_ns["a"].dtype == torch.float16
-    assert run_on_device(shell, "   \n", OnDeviceOptions(device="meta")).ran is False
