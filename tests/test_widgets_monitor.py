@@ -1,4 +1,4 @@
-"""Memory gauges and the one monitor thread: values, rate limits, lifecycle, closing."""
+"""The one monitor thread feeding the memory gauges: values, rate limits, lifecycle, closing."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ from ipywidgets.widgets.widget import _instances
 from gpumagic import devices, session
 from gpumagic.devices import nvml
 from gpumagic.widgets import monitor
-from gpumagic.widgets.gauge import MemoryGauge, bar_style_for
+from gpumagic.widgets.gauge import MemoryGauge
 from tests.conftest import run_cell
 from tests.fake_nvml import four_gpu_machine
 
@@ -70,49 +70,6 @@ def wait_for(condition, timeout=5.0):
         time.sleep(0.01)
     return condition()
 
-
-# --------------------------------------------------------------------------- the gauge
-
-def test_bar_style_by_fullness():
-    assert [bar_style_for(f) for f in (0.0, 0.69, 0.70, 0.89, 0.90, 1.0, None)] == [
-        "success", "success", "warning", "warning", "danger", "danger", ""]
-
-
-def test_gauge_shows_values_and_sends_only_changes(messages):
-    g = MemoryGauge("cuda:0", "NVIDIA H200")
-    try:
-        assert g.show(40 * GiB, 100 * GiB, "kernel 2.0 GiB") is True
-        assert g.bar.value == 0.4 and g.bar.bar_style == "success"
-        assert g.text.value == "40.0 GiB / 100.0 GiB (40%) · kernel 2.0 GiB"
-        bar_msgs, text_msgs = messages[g.bar.model_id], messages[g.text.model_id]
-        assert bar_msgs == 1  # value and colour in one message
-        # Same figures, or a change too small to display: nothing is sent.
-        assert g.show(40 * GiB, 100 * GiB, "kernel 2.0 GiB") is False
-        assert g.show(40 * GiB + 1000, 100 * GiB, "kernel 2.0 GiB") is False
-        assert messages[g.bar.model_id] == bar_msgs and messages[g.text.model_id] == text_msgs
-        assert g.show(95 * GiB, 100 * GiB) is True
-        assert g.bar.bar_style == "danger" and g.bar.value == 0.95
-        assert messages[g.bar.model_id] == bar_msgs + 1 and messages[g.text.model_id] == text_msgs + 1
-        assert g.sends == 2
-        assert g.text_line(10) == "cuda:0 [##########] 95.0 GiB / 100.0 GiB (95%)"
-        assert g.show(None, None) is True and g.text.value == "n/a" and g.bar.bar_style == ""
-    finally:
-        g.close()
-    assert g not in open_gauges() and g.bar.comm is None and g.text.comm is None
-
-
-def test_gauge_text_fallback_in_terminal(shell):
-    g = MemoryGauge("cpu", "CPU")
-    try:
-        g.show(3 * GiB, 12 * GiB)
-        shell.user_ns["g"] = g
-        result, out, cap = run_cell(shell, "g")
-        assert "cpu [#####...............] 3.0 GiB / 12.0 GiB (25%)" in out
-    finally:
-        g.close()
-
-
-# --------------------------------------------------------------------------- the monitor
 
 def test_one_thread_feeds_a_gauge_per_device(notebook, machine, messages):
     with capture_output(display=True) as cap:
