@@ -38,15 +38,6 @@ def fmt_bytes(n) -> str:
     return f"{sign}{n:.1f} TiB"
 
 
-def fmt(value, unit: str = "") -> str:
-    """A value for a table cell: ``None`` becomes ``n/a``."""
-    if value is None:
-        return NA
-    if isinstance(value, float):
-        value = f"{value:.1f}"
-    return f"{value}{unit}"
-
-
 def text_table(rows: list[list[str]], header: list[str]) -> str:
     """A plain fixed-width table."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

@@ -42,9 +42,6 @@ class FakeNvml:
     def nvmlInit(self):
         self.initialised = True
 
-    def nvmlShutdown(self):
-        self.initialised = False
-
     def nvmlSystemGetDriverVersion(self):
         return "580.159.04"
 

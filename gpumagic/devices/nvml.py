@@ -92,13 +92,3 @@ def text(value) -> str | None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
 
-
-def shutdown() -> None:
-    global _initialised
-    with _lock:
-        if _initialised:
-            try:
-                _lib.nvmlShutdown()
-            except Exception:
-                pass
-        _initialised = False
