@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import html
+import logging
 import sys
+
+logger = logging.getLogger(__name__)
 
 NA = "n/a"
 
@@ -12,14 +15,15 @@ def widgets_supported(shell=None) -> bool:
     if shell is None:
         try:
             from IPython import get_ipython
-            shell = get_ipython()
-        except Exception:
+        except ImportError:
             return False
+        shell = get_ipython()
     if shell is None or getattr(shell, "kernel", None) is None:
         return False
     try:
         import ipywidgets  # noqa: F401
-    except Exception:
+    except Exception:  # missing, or broken by a mismatched dependency
+        logger.debug("ipywidgets does not import; showing text instead of widgets", exc_info=True)
         return False
     return True
 

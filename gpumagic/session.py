@@ -5,12 +5,12 @@ Kept free of torch and IPython imports so that ``import gpumagic`` stays light.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _picked: str | None = None          # canonical device string, e.g. "cuda:1"
-_listeners: list[Callable[[str], None]] = []
-_closers: dict[str, Callable[[], None]] = {}
+_listeners: list[Callable[[str | None], None]] = []
+_closers: dict[str, Callable[[], object]] = {}
 
 
 def picked_device() -> str | None:
@@ -40,7 +40,7 @@ def on_device_change(listener: Callable[[str | None], None]) -> Callable[[], Non
     return remove
 
 
-def register_closer(name: str, close: Callable[[], None]) -> None:
+def register_closer(name: str, close: Callable[[], object]) -> None:
     """Remember ``close`` to be called on ``%unload_ext gpumagic`` (one per name)."""
     with _lock:
         _closers[name] = close

@@ -62,6 +62,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import numbers
+from collections.abc import Iterator
 
 from .placement_rewrite import HELPER, LEGACY_TYPES, PlacementRewriter, is_cuda_name, lookup, rewrite_placement
 
@@ -102,7 +103,7 @@ class Placement:
     # -- devices -------------------------------------------------------------
     def map(self, device):
         """A CUDA device (``'cuda'``, ``'cuda:1'``, ``1``, ``torch.device('cuda')``) -> the target."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         target = self.target
         if target is None or device is None:
             return device
@@ -118,7 +119,7 @@ class Placement:
 
     def device(self, *args, **kwargs):
         """``torch.device(...)``."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         made = self._torch.device(*args, **kwargs)
         if self.target is not None and made.type == "cuda":
             return self.target
@@ -131,7 +132,7 @@ class Placement:
     # -- moving ---------------------------------------------------------------
     def cuda(self, obj, *args, **kwargs):
         """``obj.cuda(...)``: tensors and modules go to the target (modules in place)."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         torch = self._torch
         if self.target is None:
             return obj.cuda(*args, **kwargs)
@@ -150,7 +151,7 @@ class Placement:
 
     def to(self, obj, *args, **kwargs):
         """``obj.to(...)``: CUDA devices among the arguments become the target."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         torch = self._torch
         if self.target is None:
             return obj.to(*args, **kwargs)
@@ -184,7 +185,7 @@ class Placement:
 
     def retype(self, obj, kind):
         """``x.type(torch.cuda.HalfTensor)`` / ``x.type('torch.cuda.HalfTensor')``."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return obj.type(kind)
         name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__name__}"
@@ -194,7 +195,7 @@ class Placement:
     # -- making ---------------------------------------------------------------
     def legacy(self, cls, *args, **kwargs):
         """``torch.cuda.FloatTensor(...)`` and ``torch.FloatTensor(..., device=d)``."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return cls(*args, **kwargs)
         device = self.target
@@ -208,13 +209,13 @@ class Placement:
 
     def legacy_cuda(self, cls, *args):
         """``torch.FloatTensor(...).cuda()`` in one step."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return cls(*args).cuda()
         return self._legacy_new(cls, self.target, args)
 
     def _legacy_new(self, cls, device, args):
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         torch = self._torch
         dtype = getattr(cls, "dtype", None)
         if not isinstance(dtype, torch.dtype):  # torch.Tensor: the default dtype
@@ -234,7 +235,7 @@ class Placement:
 
     def like(self, fn, *args, **kwargs):
         """``torch.zeros_like(x)``: follows x, unless x is on another CUDA device."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is not None and args:
             first = args[0]
             if isinstance(first, self._torch.Tensor) and first.device.type == "cuda" and first.device != self.target:
@@ -243,7 +244,7 @@ class Placement:
 
     def pin_memory(self, obj):
         """``x.pin_memory()``: pinning needs CUDA; elsewhere the tensor is returned as is."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None or self._kind == "cuda":
             return obj.pin_memory()
         return obj
@@ -254,30 +255,30 @@ class Placement:
 
     def is_cuda(self, obj) -> bool:
         """``x.is_cuda``: true on CUDA or on the target."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return obj.is_cuda
         return bool(getattr(obj, "is_cuda", False)) or getattr(obj, "device", None) == self.target
 
     # -- torch.cuda -------------------------------------------------------------
     def cuda_is_available(self) -> bool:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         return self._torch.cuda.is_available() if self.target is None else True
 
     def cuda_device_count(self) -> int:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None or self._kind == "cuda":
             return self._torch.cuda.device_count()
         return 1
 
     def cuda_current_device(self) -> int:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return self._torch.cuda.current_device()
         return self.target.index if self._kind == "cuda" else 0
 
     def cuda_set_device(self, device) -> None:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return self._torch.cuda.set_device(device)
         if self._kind == "cuda":
@@ -285,7 +286,7 @@ class Placement:
         return None
 
     def cuda_synchronize(self, device=None) -> None:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return self._torch.cuda.synchronize(device)
         if self._kind == "cuda":
@@ -296,7 +297,7 @@ class Placement:
 
     def cuda_device(self, device):
         """``with torch.cuda.device(i):``."""
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         if self.target is None:
             return self._torch.cuda.device(device)
         if self._kind == "cuda":
@@ -331,7 +332,7 @@ def install_passthrough(name: str = HELPER) -> None:
 
 
 @contextlib.contextmanager
-def modules_on(target):
+def modules_on(target) -> Iterator[None]:
     """While active, parameters and buffers registered on any ``nn.Module`` move to ``target``.
 
     This places modules built by code the rewrite cannot see (a class

@@ -10,6 +10,7 @@ Nothing here imports IPython's shell or creates a CUDA context.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any
 from .. import session
 from ..errors import usage_error
 from . import nvml
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Gpu", "visible_gpus", "available_devices", "parse_device", "default_device", "current_device",
@@ -48,7 +51,7 @@ def torch_cuda_initialized() -> bool:
         return False
     try:
         return bool(torch.cuda.is_initialized())
-    except Exception:
+    except AttributeError:  # torch is half imported: another thread is importing it right now
         return False
 
 
@@ -146,7 +149,7 @@ def _parse_visible(spec: str, ordered: list[dict]) -> list[tuple[dict, dict | No
             break
         pick: tuple[dict, dict | None] | None = None
         lowered = item.lower()
-        if lowered.startswith("gpu-") or lowered.startswith("mig-"):
+        if lowered.startswith(("gpu-", "mig-")):
             candidates = []
             for g in ordered:
                 if g["uuid"].lower().startswith(lowered):
@@ -226,6 +229,7 @@ def _confirm_with_torch(gpus: list[Gpu]) -> list[Gpu]:
         try:
             uuid = str(torch.cuda.get_device_properties(i).uuid).lower()
         except Exception:
+            logger.debug("torch gave no UUID for cuda:%d; keeping the NVML numbering", i, exc_info=True)
             return gpus
         g = by_uuid.get(uuid)
         if g is None:
@@ -247,12 +251,15 @@ def _torch_only_gpus() -> list[Gpu]:
 
 
 def mps_available() -> bool:
+    """True where torch can use Apple's MPS (imports torch if nothing has yet)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        import torch
+        import torch as imported
+        torch = imported
     try:
         return bool(torch.backends.mps.is_available())
     except Exception:
+        logger.debug("torch.backends.mps.is_available() failed; taking MPS as absent", exc_info=True)
         return False
 
 

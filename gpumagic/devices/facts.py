@@ -7,11 +7,15 @@ comes from NVML and psutil, so nothing here initialises CUDA.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
+from typing import Any
 
 from . import nvml
 from .discovery import Gpu, multiprocessors, normalize_bus_id, torch_cuda_initialized, visible_gpus
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["device_report", "gpu_facts", "cpu_facts", "system_facts"]
 
@@ -79,6 +83,7 @@ def _add_pycuda(report: dict) -> None:
     try:
         by_bus = pycuda_attributes()
     except Exception as exc:  # driver missing, query timed out...
+        logger.debug("the pycuda query failed; the report says so in a note", exc_info=True)
         report["notes"].append(str(exc))
         return
     for facts in gpus:
@@ -180,7 +185,8 @@ def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
 
 def system_facts() -> dict:
     """Driver and CUDA versions (NVML) and torch's version (imports torch, not CUDA)."""
-    facts = {"driver_version": None, "cuda_driver_version": None, "nvml": nvml.unavailable_reason() or "ok"}
+    facts: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None,
+                             "nvml": nvml.unavailable_reason() or "ok"}
     if nvml.available():
         nv = nvml.lib()
         facts["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))

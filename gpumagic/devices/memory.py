@@ -11,6 +11,7 @@ here needs IPython.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from ..display import NA, fmt_bytes, html_table, text_table
 from . import discovery as devices
 from . import nvml
 from .variables import variable_memory  # re-exported: notebooks import it from here
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory", "targets",
            "variable_memory"]
@@ -146,6 +149,7 @@ def gpu_process_memory(handle, pid: int | None = None) -> tuple[int | None, str 
         try:
             procs = func(handle)
         except Exception:  # NotSupported (MIG without permission, vGPU...)
+            logger.debug("NVML %s is unsupported here", fn, exc_info=True)
             continue
         compute_known = compute_known or "Compute" in fn
         for p in procs or ():
@@ -168,6 +172,7 @@ def _pid_exists(pid: int) -> bool:
     try:
         return psutil.pid_exists(pid)
     except Exception:
+        logger.debug("could not tell whether pid %d exists; taking it as gone", pid, exc_info=True)
         return False
 
 
@@ -183,6 +188,7 @@ def _torch_allocator(index: int) -> tuple[int | None, int | None, int | None]:
         return (int(torch.cuda.memory_allocated(index)), int(torch.cuda.memory_reserved(index)),
                 int(torch.cuda.max_memory_allocated(index)))
     except Exception:
+        logger.debug("torch's allocator figures for cuda:%d are unavailable", index, exc_info=True)
         return None, None, None
 
 
@@ -195,6 +201,7 @@ def _has_context(index: int) -> bool:
     try:
         return bool(check(index))
     except Exception:
+        logger.debug("torch could not say whether cuda:%d has a context", index, exc_info=True)
         return False
 
 
@@ -229,6 +236,7 @@ def _mps_memory() -> DeviceMemory:
         row.used = row.reserved
         row.process = row.reserved
     except Exception as exc:
+        logger.debug("MPS memory figures are unavailable; the row notes why", exc_info=True)
         row.note = f"mps: {exc}"
     return row
 

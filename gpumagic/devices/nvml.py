@@ -8,8 +8,12 @@ Tests swap in a stand-in library with :func:`use`.
 """
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _lib: Any = None            # the pynvml module (from nvidia-ml-py), or a stand-in
@@ -50,6 +54,7 @@ def lib() -> Any:
                 _lib = pynvml
             _lib.nvmlInit()
         except Exception as exc:  # library missing, driver missing, no GPU
+            logger.debug("NVML did not load; GPU figures will say why", exc_info=True)
             _error = f"NVML is not available: {exc}"
             raise NvmlUnavailable(_error) from None
         _initialised = True
@@ -83,6 +88,8 @@ def query(fn: str | Callable, *args, default=None):
     try:
         return func(*args)
     except Exception:  # NVMLError_NotSupported, NoPermission, GpuIsLost...
+        logger.debug("NVML %s is unsupported here; using %r", getattr(func, "__name__", func), default,
+                     exc_info=True)
         return default
 
 

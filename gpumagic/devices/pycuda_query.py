@@ -13,7 +13,8 @@ import sys
 
 __all__ = ["pycuda_installed", "pycuda_attributes", "INSTALL_HINT"]
 
-INSTALL_HINT = "pycuda is not installed: `pip install 'gpumagic[pycuda]'` (or `pip install pycuda`) shows every CUDA attribute"
+INSTALL_HINT = ("pycuda is not installed: `pip install 'gpumagic[pycuda]'` (or `pip install pycuda`) "
+                "shows every CUDA attribute")
 
 _cache: dict[str, dict] = {}
 
@@ -55,5 +56,5 @@ def pycuda_attributes(refresh: bool = False, timeout: float = 60.0) -> dict:
     _cache.clear()
     for bus, entry in data["devices"].items():
         entry["pycuda_version"] = data["pycuda_version"]
-        _cache[normalize_bus_id(bus)] = entry
+        _cache[normalize_bus_id(bus) or bus] = entry
     return dict(_cache)

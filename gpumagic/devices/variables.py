@@ -12,11 +12,15 @@ Nothing here needs IPython.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..display import fmt_bytes, html_table, text_table
 from . import discovery as devices
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["VarMemory", "VarsReport", "variable_memory", "FreedRow", "FreeReport", "free_memory"]
 
@@ -134,12 +138,13 @@ class _Collector:
                     self.add_tensor(piece, part)
                 return
             storage = t.untyped_storage()
-            key = (device, storage.data_ptr())
+            key: tuple = (device, storage.data_ptr())
             nbytes = int(storage.nbytes())
             if storage.data_ptr() == 0:  # empty storages all sit at 0
                 key = (device, "empty", id(storage))
         except Exception:
             # Wrapper subclasses without a storage: count the elements they expose.
+            logger.debug("a %s has no storage to read; counting its elements", type(t).__name__, exc_info=True)
             key = (device, "tensor", id(t))
             nbytes = int(t.numel() * t.element_size())
         self.storages.setdefault(key, (device, nbytes, part))
@@ -169,6 +174,7 @@ class _Collector:
                 for value in (state.values() if isinstance(state, dict) else (state,)):
                     self.walk(value, depth + 1, "state")
             return
+        items: Iterable
         if isinstance(obj, dict):
             items = obj.values()
         elif isinstance(obj, (list, tuple, set, frozenset)):
@@ -220,6 +226,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
         try:
             collector.walk(value)
         except Exception:  # an odd object must not spoil the report
+            logger.debug("skipping variable %r: walking it for tensors failed", name, exc_info=True)
             continue
         if not collector.storages:
             continue

@@ -4,9 +4,8 @@ from __future__ import annotations
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .args import parse
-
 from .. import display, session
+from .args import parse
 
 # (label, key, formatter) rows of the table; devices are its columns.
 _B = display.fmt_bytes
@@ -138,6 +137,7 @@ class InfoMagics(Magics):
         rendered = render_report(report)
         if display.widgets_supported(self.shell):
             from IPython.display import display as show
+
             from ..widgets.picker import DevicePicker, close_all_pickers
             session.register_closer("pickers", close_all_pickers)
             show(rendered)

@@ -63,6 +63,7 @@ def watch(shell, device: str | None, gpus, interval: float):
         print(memory.snapshot(device, gpus).text())
         return None
     from IPython.display import display as show
+
     from ..widgets import monitor
     mon = monitor.start(memory.targets(device, gpus), interval=interval)
     show(mon.box)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import tokenize
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -25,7 +26,7 @@ def _ends_with_semicolon(cell: str) -> bool:
     from IPython.core.displayhook import DisplayHook
     try:
         return DisplayHook.semicolon_at_end_of_expression(cell)
-    except Exception:  # tokenize errors: the cell already ran, so just show the value
+    except (tokenize.TokenError, SyntaxError):  # the cell already ran, so just show the value
         return False
 
 
@@ -79,7 +80,7 @@ class OnDeviceMagics(Magics):
         cell have their parameters placed on DEVICE. Afterwards torch's
         default device, the current CUDA device and stream are restored.
         """
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         from ..ondevice.run import OnDeviceOptions, run_on_device
         args = self._parse(line)
         options = OnDeviceOptions(
@@ -90,7 +91,8 @@ class OnDeviceMagics(Magics):
         try:
             result = run_on_device(self.shell, cell, options, note=note)
         except SyntaxError as exc:
-            raise exc.with_traceback(None)  # IPython lists a SyntaxError's frames; ours say nothing
+            exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
+            raise exc
         if result.timing is not None:
             print(result.timing)
         if _ends_with_semicolon(cell):

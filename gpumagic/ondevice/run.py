@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .. import devices
 from ..cell.compile import compile_cell, is_empty, run_compiled
@@ -90,9 +91,9 @@ def _explicit_default_device(torch):
     """The device set with ``torch.set_default_device`` (None when unset)."""
     try:
         from torch.utils import _device
-        return getattr(_device, "CURRENT_DEVICE", None)
-    except Exception:  # pragma: no cover - torch without the default-device machinery
+    except ImportError:  # pragma: no cover - torch without the default-device machinery
         return None
+    return getattr(_device, "CURRENT_DEVICE", None)
 
 
 class _DeviceState:
@@ -175,7 +176,7 @@ class _CellScope:
         self.torch, self.target, self.namespace, self.rewriter = torch, target, namespace, rewriter
         self.state = _DeviceState(torch, target)
         self.previous_helper = namespace.get(HELPER, _MISSING)
-        self.hooks = None
+        self.hooks: AbstractContextManager[None] | None = None
 
     def enter(self) -> None:
         __tracebackhide__ = True
@@ -245,7 +246,8 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
                                 transformers=[rewriter] if rewriter is not None else [])
     except SyntaxError as exc:
         # The error carries the user's file and line; the compiler's frames say nothing more.
-        raise exc.with_traceback(None)  # noqa: B904 - the same error, its context kept as it is
+        exc.__traceback__ = None
+        raise exc
 
     target = torch.device(device)
     if target.type == "cuda":
@@ -270,8 +272,9 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             # Run here, not in a helper: each frame of ours would add to IPython's "skipping hidden" count.
             try:
                 result.value = run_compiled(compiled, namespace)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, only its traceback shortened
-                raise exc.with_traceback(_user_traceback(exc.__traceback__))  # noqa: B904 - the cell's own error
+            except BaseException as exc:
+                exc.__traceback__ = _user_traceback(exc.__traceback__)
+                raise exc
             if stream is not None:
                 stream[1].extra.append(result.value)
         finally:

@@ -144,7 +144,7 @@ def side_stream(device, namespace: dict | None = None, also=(), wait: bool = Tru
         if wait:
             current.wait_stream(side)
             values = list(also) + info.extra
-            if before is not None:
+            if namespace is not None and before is not None:
                 values += _changed(namespace, before)
             seen: dict[int, object] = {}
             for value in values:

@@ -13,6 +13,7 @@ thread is stopped and its gauges closed), :func:`stop` ends it, and
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 from ipywidgets import VBox
@@ -21,6 +22,8 @@ from .. import session
 from ..devices import memory
 from ..display import fmt_bytes
 from .gauge import MemoryGauge
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL"]
 
@@ -97,7 +100,10 @@ class Monitor:
                 try:
                     mem = memory.device_memory(target, processes=self.processes)
                 except Exception as exc:  # a lost GPU must not kill the monitor
-                    self.errors = (self.errors + [f"{gauge.device}: {exc}"])[-10:]
+                    error = f"{gauge.device}: {exc}"
+                    if error not in self.errors:  # once, not at every tick while it keeps failing
+                        logger.debug("reading %s failed; its gauge shows n/a", gauge.device, exc_info=True)
+                    self.errors = (self.errors + [error])[-10:]
                     changed += gauge.show(None, None, "n/a: reading failed")
                     continue
                 changed += gauge.show(mem.used, mem.total, _detail(mem))

@@ -17,7 +17,7 @@ from ..display import fmt_bytes
 
 __all__ = ["DevicePicker", "device_options", "close_all_pickers"]
 
-_open: "weakref.WeakSet[DevicePicker]" = weakref.WeakSet()
+_open: weakref.WeakSet[DevicePicker] = weakref.WeakSet()
 
 
 def device_options(report_devices: list[dict]) -> list[tuple[str, str]]:
