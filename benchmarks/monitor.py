@@ -99,6 +99,7 @@ def monitoring_footprint(gpus, seconds: float) -> list[list[str]]:
     """Monitor every device for ``seconds`` at the default rate; what did it create?"""
     import psutil
     import torch  # imported as in a notebook; the monitor must not initialise it
+
     from gpumagic.widgets import monitor
     before = nvml_view(gpus)
     cpu0 = psutil.Process().cpu_times()

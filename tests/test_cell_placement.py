@@ -13,7 +13,12 @@ import torch
 import torch.nn as nn
 
 from gpumagic.cell.placement import (
-    HELPER, LEGACY_TYPES, Placement, install_passthrough, modules_on, passthrough,
+    HELPER,
+    LEGACY_TYPES,
+    Placement,
+    install_passthrough,
+    modules_on,
+    passthrough,
     rewrite_placement,
 )
 

@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from tests.conftest import run_cell
 from gpumagic import session
-from gpumagic.errors import UsageError
-from gpumagic.devices import visible_gpus
 from gpumagic.cell.placement import HELPER
+from gpumagic.devices import visible_gpus
+from gpumagic.errors import UsageError
+from tests.conftest import run_cell
 
 HAS_GPU = bool(visible_gpus())   # through NVML: asking never initialises CUDA
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -237,8 +237,8 @@ def test_bad_device_is_usage_error_naming_devices(shell, line):
 
 def test_gpu_torch_cannot_use_is_usage_error(shell, monkeypatch):
     # NVML sees a GPU, but this torch has no CUDA: say so, naming what is usable.
-    from gpumagic.ondevice import run as ondevice
     from gpumagic.devices import Gpu
+    from gpumagic.ondevice import run as ondevice
     monkeypatch.setattr(ondevice, "_gpus", lambda: [Gpu(0, "GPU-x", None, "Fake GPU")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err, _, _ = fails(shell, "%%ondevice cuda:0\nx = 1\n")

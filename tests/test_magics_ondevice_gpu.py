@@ -173,6 +173,7 @@ def race_experiment(shell, ms: float = 200.0, n: int = 1 << 22) -> dict:
     side stream waiting for the default stream, the consumer reads the zeros.
     """
     import torch
+
     from gpumagic.ondevice.streams import side_stream
 
     dev = torch.device("cuda:0")
@@ -265,6 +266,7 @@ def test_stream_race_prevented_with_eager_module_loading():
 
 def test_stream_records_outliving_tensors(shell):
     import torch
+
     from gpumagic.ondevice.run import OnDeviceOptions, run_on_device
     shell.user_ns["torch"] = torch
     shell.user_ns["keep"] = torch.ones(8, device="cuda:0")
@@ -288,6 +290,7 @@ def test_sync_waits_for_the_device(shell):
 
 def test_time_agrees_with_cuda_events(shell):
     import torch
+
     from gpumagic.ondevice.run import OnDeviceOptions, run_on_device
     cycles = sleep_cycles(150)
     shell.user_ns.update(torch=torch, cycles=cycles)

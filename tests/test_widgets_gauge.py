@@ -28,7 +28,6 @@ def open_gauges():
     return [w for w in list(_instances.values()) if isinstance(w, MemoryGauge)]
 
 
-
 def test_bar_style_by_fullness():
     assert [bar_style_for(f) for f in (0.0, 0.69, 0.70, 0.89, 0.90, 1.0, None)] == [
         "success", "success", "warning", "warning", "danger", "danger", ""]
