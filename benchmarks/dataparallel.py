@@ -309,8 +309,8 @@ def main(argv=None) -> None:
     import torch
 
     from gpumagic import devices
+    from gpumagic.dataparallel.run import last_result
     from gpumagic.display import text_table
-    from gpumagic.parallel.ddp import last_result
 
     gpus = devices.visible_gpus()
     quick = args.quick

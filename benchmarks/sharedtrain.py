@@ -35,7 +35,7 @@ spends importing ``torch._dynamo`` where nothing imported it before). A fresh
 Python's ``import torch`` is timed too: no spawned worker can start sooner.
 Where torch came without bytecode and Python writes none
 (``PYTHONDONTWRITEBYTECODE``), workers keep theirs in gpumagic's cache (see
-``gpumagic/fresh.py``): the benchmark then uses a cache of its own, filled
+``gpumagic/procs/bytecode.py``): the benchmark then uses a cache of its own, filled
 before the runs as a first worker fills it, and adds a column per N in a
 kernel that loads the extension with the cache empty (it starts filling it
 in the background) and runs a spawn cell at once: the first spawn ever.
@@ -65,13 +65,12 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import ROOT, append_results, command, make_shell, versions  # also puts the checkout on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from _common import ROOT, append_results, command, make_shell, versions  # also puts the checkout on sys.path
-
-from gpumagic import fresh
 from gpumagic.display import text_table
+from gpumagic.procs import bytecode, forkserver
 
 BATCH = 64
 FORK_FLOOR, SPAWN_FLOOR, RATIO_FLOOR = 1.0, 3.0, 0.95
@@ -237,8 +236,7 @@ def startup_child(nprocs: int, samples: int, cold: bool = False) -> None:
             threading.Thread(target=stop.wait, name="notebook-thread", daemon=True).start()
         out.append({"label": label, **startup(shell, nprocs, dataset, method)})
     stop.set()
-    from gpumagic.parallel import hogwild
-    hogwild.stop_forkserver()
+    forkserver.stop()
     sys.__stdout__.write("STARTUP " + json.dumps(out) + "\n")
 
 
@@ -262,7 +260,7 @@ def fresh_python(code: str, **env) -> float:
 def startup_in_fresh_kernel(nprocs: int, samples: int, cold_cache: str | None = None) -> list[dict]:
     """The start-up sequence in a new kernel; with ``cold_cache``, only a spawn cell, that cache empty."""
     args = ["--startup-cold"] if cold_cache else []
-    env = {fresh.SETTING: cold_cache} if cold_cache else {}
+    env = {bytecode.SETTING: cold_cache} if cold_cache else {}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--startup-child", str(nprocs),
                           "--samples", str(samples), *args], capture_output=True, text=True, cwd=ROOT,
                          env=_child_env(**env), timeout=300)
@@ -274,13 +272,8 @@ def startup_in_fresh_kernel(nprocs: int, samples: int, cold_cache: str | None = 
 
 def report_cost(calls: int = 20000) -> tuple[float, float]:
     """Microseconds per ``report(loss=loss)`` and per counted batch, in a worker's channel."""
-    from gpumagic import sharedtrain_worker
-
-    class Sink:
-        def send(self, message):
-            pass
-
-    channel = sharedtrain_worker._Channel(Sink(), rank=0, t0=time.monotonic())
+    from gpumagic.sharedtrain.worker import Channel
+    channel = Channel(lambda message: None, t0=time.monotonic())
     loss = torch.tensor(2.3)
     batch = [torch.zeros(BATCH, 784), torch.zeros(BATCH, dtype=torch.long)]
     start = time.perf_counter()
@@ -401,24 +394,24 @@ def main(argv=None) -> int:
                   f"counting a batch {per_batch:.1f} us"]
     if not args.no_startup:
         torch_s = fresh_python("import torch")
-        worker_s = fresh_python("import gpumagic.sharedtrain_worker")
-        cache = fresh.worker_pycache()
+        worker_s = fresh_python("import gpumagic.sharedtrain.worker")
+        cache = bytecode.worker_pycache()
         cold_dir = None
         if cache:
             # Workers keep bytecode in gpumagic's cache here: measure with one of the benchmark's own,
             # filled first as a worker fills it, and once per N with an empty one (the first spawn ever).
             cold_dir = tempfile.mkdtemp(prefix="gpumagic-bench-pycache-")
             cache = os.path.join(cold_dir, "warm")
-            os.environ[fresh.SETTING] = cache
+            os.environ[bytecode.SETTING] = cache
             # Best of two: the first run fills the cache as a first worker would, the second reads it.
-            cached_s = fresh_python("import gpumagic.sharedtrain_worker", **{fresh.WORKER_ENV: cache})
-            bytecode = (f"torch was installed without bytecode and Python writes none here, so workers keep "
-                        f"theirs in gpumagic's cache: a fresh worker imports what it needs in {cached_s:.2f} s "
-                        f"with it, {worker_s:.2f} s without")
+            cached_s = fresh_python("import gpumagic.sharedtrain.worker", **{bytecode.WORKER_ENV: cache})
+            bytecode_note = (f"torch was installed without bytecode and Python writes none here, so workers keep "
+                             f"theirs in gpumagic's cache: a fresh worker imports what it needs in {cached_s:.2f} s "
+                             f"with it, {worker_s:.2f} s without")
         else:
-            bytecode = "workers read the bytecode installed with torch"
-        print(f"\nfresh Python: import torch {torch_s:.2f} s; import gpumagic.sharedtrain_worker {worker_s:.2f} s;"
-              f" {bytecode}", flush=True)
+            bytecode_note = "workers read the bytecode installed with torch"
+        print(f"\nfresh Python: import torch {torch_s:.2f} s; import gpumagic.sharedtrain.worker {worker_s:.2f} s;"
+              f" {bytecode_note}", flush=True)
         try:
             header, rows, bad = startups(counts, args.samples, cold_dir)
         finally:

@@ -15,8 +15,8 @@ import os as _os
 
 if _os.environ.get("GPUMAGIC_WORKER_PYCACHE"):
     # A worker interpreter gpumagic started: keep bytecode where the kernel said, before anything
-    # imports torch (see fresh.py). Removed so the worker's environment is the notebook's.
-    from .fresh import keep_bytecode as _keep_bytecode
+    # imports torch (see procs/bytecode.py). Removed so the worker's environment is the notebook's.
+    from .procs.bytecode import keep_bytecode as _keep_bytecode
     _keep_bytecode(_os.environ.pop("GPUMAGIC_WORKER_PYCACHE"))
 
 __version__ = "0.1.0"

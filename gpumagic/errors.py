@@ -5,13 +5,14 @@ One error path per kind:
 * bad arguments to a magic -> :class:`IPython.core.error.UsageError` (a plain
   one: IPython shows it as a one-line message, subclasses get full tracebacks);
 * the user's own exception -> re-raised unchanged, with their line numbers;
-* an exception in a worker process -> :class:`WorkerError`.
+* an exception in a worker process -> :class:`WorkerError`; a worker that
+  died without one (killed, out of memory, ``os._exit``) -> :class:`WorkerDied`.
 """
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-__all__ = ["UsageError", "WorkerError", "usage_error"]
+__all__ = ["UsageError", "WorkerError", "WorkerDied", "usage_error"]
 
 
 def usage_error(what: str, choices=None) -> UsageError:
@@ -31,7 +32,8 @@ class WorkerError(RuntimeError):
 
     ``rank`` and ``pid`` say which worker failed; ``remote_traceback`` is the
     worker's formatted traceback, which points at the user's cell lines.
-    ``exc_type`` is the name of the worker's exception class.
+    ``exc_type`` is the name of the worker's exception class; ``all_errors``
+    what every failed rank reported (``{rank: info}``).
     """
 
     def __init__(self, rank: int, pid: int | None, exc_type: str, message: str,
@@ -41,6 +43,7 @@ class WorkerError(RuntimeError):
         self.exc_type = exc_type
         self.message = message
         self.remote_traceback = remote_traceback
+        self.all_errors: dict = {}
         super().__init__(f"rank {rank} (pid {pid}) raised {exc_type}: {message}")
 
     def _render_traceback_(self):
@@ -51,4 +54,11 @@ class WorkerError(RuntimeError):
         return lines
 
     def __reduce__(self):
-        return (WorkerError, (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback))
+        return (type(self), (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback))
+
+
+class WorkerDied(WorkerError):
+    """A worker died or was killed without reporting an exception (``exc_type`` is ``"WorkerDied"``).
+
+    A ``%%dataparallel`` pool is gone after this, and the next cell starts a fresh one.
+    """

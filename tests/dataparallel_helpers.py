@@ -7,8 +7,8 @@ import time
 import psutil
 from IPython.utils.capture import capture_output
 
-from gpumagic import pool as poolmod
-from gpumagic.parallel import POOL_NAME
+from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.procs import pool as poolmod
 
 
 def dp_pool():

@@ -23,13 +23,15 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic import pool as poolmod
-from gpumagic.errors import WorkerError
-from gpumagic.loaders import shard_loader
-from gpumagic.parallel import POOL_NAME, make_plan
-from gpumagic.parallel import ship
-from gpumagic.parallel.ddp import last_result, used_names
-from gpumagic.parallel.dp import ModelCallRewriter
+from gpumagic.cell.names import used_names
+from gpumagic.dataparallel.dp import ModelCallRewriter
+from gpumagic.dataparallel.plan import POOL_NAME, make_plan
+from gpumagic.dataparallel.run import last_result
+from gpumagic.errors import WorkerDied, WorkerError
+from gpumagic.procs import pool as poolmod
+from gpumagic.procs import remote
+from gpumagic.procs import tensor_cache, wire
+from gpumagic.procs.loaders import shard_loader
 from tests.conftest import ROOT, run_cell
 from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
 
@@ -144,7 +146,7 @@ def test_used_names_follow_notebook_functions():
 
 
 def test_free_reads_skip_names_the_cell_binds_first():
-    from gpumagic.parallel.ddp import free_reads
+    from gpumagic.cell.names import free_reads
     src = ("it = iter(loader)\n"
            "for i in range(n):\n"
            "    if i == 2:\n"
@@ -158,10 +160,10 @@ def test_free_reads_skip_names_the_cell_binds_first():
 
 
 def test_cuda_spellings_mean_the_rank_gpu():
-    from gpumagic.parallel.ddp import _RankDevice
+    from gpumagic.dataparallel.wrapping import RankDevice
     src = ("a = x.cuda(0)\nb = torch.device('cuda', 0)\nc = torch.zeros(2, device='cuda:0')\n"
            "torch.cuda.set_device(0)\ne = torch.ones(1, device=0)\nf = f'cuda:0 {x}'\ng = x.cuda()\n")
-    assert ast.unparse(_RankDevice(1).visit(ast.parse(src))) == (
+    assert ast.unparse(RankDevice(1).visit(ast.parse(src))) == (
         "a = x.cuda(1)\nb = torch.device('cuda', 1)\nc = torch.zeros(2, device='cuda:1')\n"
         "torch.cuda.set_device(1)\ne = torch.ones(1, device=1)\nf = f'cuda:0 {x}'\ng = x.cuda()")
 
@@ -178,8 +180,8 @@ def test_ship_round_trip_keeps_identity_devices_and_attributes():
     opt.step()
     m[0].weight.tag = "kept"
     obj = {"m": m, "opt": opt, "dev": torch.device("cuda:1"), "t": torch.arange(6).view(2, 3).t()}
-    packed = ship.pack(obj)
-    back, tensors = ship.unpack(packed.header, packed.buffer, device="cpu")
+    packed = wire.pack(obj)
+    back, tensors = wire.unpack(packed.header, packed.buffer, device="cpu")
     assert back["dev"] == torch.device("cpu")          # a CUDA device means the rank's device
     assert torch.equal(back["t"], obj["t"]) and back["m"][0].weight.tag == "kept"
     assert back["opt"].param_groups[0]["params"][0] is back["m"][0].weight   # shared objects stay shared
@@ -190,24 +192,25 @@ def test_ship_round_trip_keeps_identity_devices_and_attributes():
 
 def test_ship_cache_is_keyed_by_content():
     big = torch.randn(300_000)                      # 1.2 MB: fingerprinted
-    store = ship.TensorStore()
-    first = ship.pack({"a": big, "b": big.clone()})
-    _, tensors = ship.unpack(first.header, first.buffer, store=store)
+    store = tensor_cache.TensorStore()
+    first = wire.pack({"a": big, "b": big.clone()})
+    _, tensors = wire.unpack(first.header, first.buffer, store=store)
     held = store.rebuild(tensors)
     assert len(held) == 1                           # equal contents, one key
-    again = ship.pack({"a": big, "b": big.clone()}, held=held)
+    again = wire.pack({"a": big, "b": big.clone()}, held=held)
     assert again.shipped_bytes == 0 and again.cached_bytes == 2 * big.numel() * 4
-    back, _ = ship.unpack(again.header, again.buffer, store=store)
+    back, _ = wire.unpack(again.header, again.buffer, store=store)
     assert torch.equal(back["a"], big) and back["a"].data_ptr() != back["b"].data_ptr()  # no aliasing
     big[17] += 1.0                                  # any change: shipped again
-    assert ship.pack({"a": big}, held=held).cached_bytes == 0
+    assert wire.pack({"a": big}, held=held).cached_bytes == 0
     swapped = big.clone().view(-1, 1000).flip(0).reshape(-1)  # same values, other places
-    assert ship.fingerprint_keys([swapped]) != ship.fingerprint_keys([big])
+    assert tensor_cache.fingerprint_keys([swapped]) != tensor_cache.fingerprint_keys([big])
 
 
 def test_bulk_bytes_go_through_anonymous_shared_memory():
     import multiprocessing
-    from gpumagic.bulk import Incoming, Outgoing
+
+    from gpumagic.procs.bulk import Incoming, Outgoing
     a, b = multiprocessing.Pipe()
     out, inc = Outgoing(), Incoming()
     before = set(os.listdir("/dev/shm"))
@@ -233,7 +236,8 @@ def test_bulk_bytes_go_through_anonymous_shared_memory():
 
 def test_progress_prints_per_rank_lines_in_a_terminal():
     import io
-    from gpumagic.parallel.progress import Progress
+
+    from gpumagic.dataparallel.progress import Progress
     out = io.StringIO()
     progress = Progress(["cpu", "cpu"], shell=None, after=0.0, every=10.0, stream=out)
     progress.update(0, {"steps": 10, "samples": 160, "seconds": 2.0})
@@ -448,14 +452,14 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
 # ---------------------------------------------------------------- beyond one machine
 
 def test_ranks_from_another_machine_join_over_tcp(shell):
-    """A pool of one local rank and one rank lent by ``python -m gpumagic.pool join`` (here on this machine)."""
+    """A pool of one local rank and one rank lent by ``python -m gpumagic.procs.remote join`` (here on this machine)."""
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
     ref_model, _, _ = _reference(ns)
     with capture_output() as cap:
         shell.run_line_magic("dataparallel", "listen --listen 127.0.0.1")
-    command = next(l.strip() for l in cap.stdout.splitlines() if "gpumagic.pool join" in l).split()
-    assert command[:4] == ["python", "-m", "gpumagic.pool", "join"] and command[4].startswith("127.0.0.1:")
+    command = next(line.strip() for line in cap.stdout.splitlines() if "gpumagic.procs.remote join" in line).split()
+    assert command[:4] == ["python", "-m", "gpumagic.procs.remote", "join"] and command[4].startswith("127.0.0.1:")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     agent = subprocess.Popen([sys.executable] + command[1:-2] + ["--devices", "cpu", "--nprocs", "1"],
                              cwd=ROOT, env=env)
@@ -478,7 +482,7 @@ def test_ranks_from_another_machine_join_over_tcp(shell):
         assert isinstance(ns["ok"], float) and dp_pool().pids[1] != remote_pid
     finally:
         poolmod.stop_pool(POOL_NAME)
-        poolmod.close_listener()
+        remote.close_listener()
         try:
             agent.wait(15)      # the listener is gone: the agent leaves by itself
         finally:
@@ -532,7 +536,7 @@ def test_a_rank_that_dies_is_reported_and_the_pool_replaced(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     dp_cell(shell, CPU2, "a = model(X).shape[0]\n")
     pids = list(dp_pool().pids)
-    with pytest.raises(poolmod.PoolDied) as err:
+    with pytest.raises(WorkerDied) as err:
         dp_cell(shell, CPU2, "import os, signal, torch.distributed as dist\nout = model(X)\n"
                            "if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n")
     assert err.value.rank == 1 and "killed by signal 9" in err.value.message
@@ -594,7 +598,7 @@ def test_killed_kernel_leaves_no_worker_behind(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        from gpumagic.pool import WorkerPool
+        from gpumagic.procs.pool import WorkerPool
         pool = WorkerPool(["cpu", "cpu"], "gloo").start()
         print(" ".join(map(str, pool.pids)), flush=True)
         time.sleep(120)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from IPython.utils.capture import capture_output
 
-from gpumagic import pool as poolmod
+from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
-from gpumagic.parallel import POOL_NAME
-from gpumagic.parallel.ddp import last_result
+from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from gpumagic import fresh
-from gpumagic.parallel import hogwild
+from gpumagic.procs import bytecode, forkserver, start
 from tests.conftest import ROOT, run_cell
+
 
 @pytest.fixture
 def bytecode_off(monkeypatch, tmp_path):
@@ -21,7 +21,7 @@ def bytecode_off(monkeypatch, tmp_path):
     """
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "empty"))
-    monkeypatch.setenv(fresh.SETTING, str(tmp_path / "pycache"))
+    monkeypatch.setenv(bytecode.SETTING, str(tmp_path / "pycache"))
     return tmp_path / "pycache"
 
 
@@ -31,9 +31,9 @@ def _pycs(root) -> dict:
 
 def test_no_cache_where_python_writes_bytecode_itself(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env[fresh.SETTING] = str(tmp_path / "c")
+    env[bytecode.SETTING] = str(tmp_path / "c")
     env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "empty")  # no bytecode for torch there
-    probe = "from gpumagic import fresh; print(fresh.worker_pycache())"
+    probe = "from gpumagic.procs import bytecode; print(bytecode.worker_pycache())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["None"], out.stderr
     assert not (tmp_path / "c").exists()
@@ -45,46 +45,46 @@ def test_no_cache_where_torch_came_with_bytecode(monkeypatch, tmp_path):
     package = tmp_path / "site" / "torch"
     (package / "__pycache__").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    monkeypatch.setattr(fresh, "_torch_source", lambda: str(package / "__init__.py"))
+    monkeypatch.setattr(bytecode, "_torch_source", lambda: str(package / "__init__.py"))
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    monkeypatch.setenv(fresh.SETTING, str(tmp_path / "c"))
+    monkeypatch.setenv(bytecode.SETTING, str(tmp_path / "c"))
     pyc = package / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc"
-    assert fresh.bytecode_path(str(package / "__init__.py")) == str(pyc)
-    assert fresh.worker_pycache() == str(tmp_path / "c")      # none written at install: workers keep their own
+    assert bytecode.bytecode_path(str(package / "__init__.py")) == str(pyc)
+    assert bytecode.worker_pycache() == str(tmp_path / "c")      # none written at install: workers keep their own
     pyc.write_bytes(b"")
-    assert fresh.worker_pycache() is None                     # written at install: they read that
+    assert bytecode.worker_pycache() is None                     # written at install: they read that
     # Under a prefix the workers inherit, that is where they look.
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "prefix"))
-    assert fresh.bytecode_path(str(package / "__init__.py")) == str(
+    assert bytecode.bytecode_path(str(package / "__init__.py")) == str(
         tmp_path / "prefix" / str(package).lstrip(os.sep) / pyc.name)
-    assert fresh.worker_pycache() == str(tmp_path / "c")
+    assert bytecode.worker_pycache() == str(tmp_path / "c")
 
 
 def test_cache_place_setting_and_off(monkeypatch, tmp_path, bytecode_off):
-    assert fresh.worker_pycache() == str(bytecode_off) and bytecode_off.is_dir()
+    assert bytecode.worker_pycache() == str(bytecode_off) and bytecode_off.is_dir()
     for off in ("off", "OFF", "0", "no"):
-        monkeypatch.setenv(fresh.SETTING, off)
-        assert fresh.worker_pycache() is None
-    monkeypatch.delenv(fresh.SETTING)
+        monkeypatch.setenv(bytecode.SETTING, off)
+        assert bytecode.worker_pycache() is None
+    monkeypatch.delenv(bytecode.SETTING)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fresh.worker_pycache() == str(tmp_path / "xdg" / "gpumagic" / "pycache")
+    assert bytecode.worker_pycache() == str(tmp_path / "xdg" / "gpumagic" / "pycache")
     # A place that cannot be made (under a file): workers compile as Python would anyway.
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv(fresh.SETTING, str(tmp_path / "file" / "pycache"))
-    assert fresh.worker_pycache() is None
+    monkeypatch.setenv(bytecode.SETTING, str(tmp_path / "file" / "pycache"))
+    assert bytecode.worker_pycache() is None
 
 
 def test_starting_hides_main_and_restores_it_and_the_environment(bytecode_off):
     main = sys.modules["__main__"]
     with pytest.raises(RuntimeError):
-        with fresh.starting("spawn"):
+        with start.starting("spawn"):
             assert sys.modules["__main__"] is not main and sys.modules["__main__"].__spec__ is None
-            assert os.environ[fresh.WORKER_ENV] == str(bytecode_off)
+            assert os.environ[bytecode.WORKER_ENV] == str(bytecode_off)
             raise RuntimeError("start failed")
-    assert sys.modules["__main__"] is main and fresh.WORKER_ENV not in os.environ
-    with fresh.starting("fork"):
-        assert sys.modules["__main__"] is main and fresh.WORKER_ENV not in os.environ
+    assert sys.modules["__main__"] is main and bytecode.WORKER_ENV not in os.environ
+    with start.starting("fork"):
+        assert sys.modules["__main__"] is main and bytecode.WORKER_ENV not in os.environ
 
 
 REPORT_BYTECODE = """%%sharedtrain --nprocs 2 --start-method {method} --model model
@@ -114,22 +114,22 @@ def test_spawned_workers_keep_bytecode_in_the_cache_and_read_it_later(shell, byt
     _worker_reports(shell, "spawn")
     assert _pycs(bytecode_off) == written
     # The kernel itself is as Python was told.
-    assert (sys.dont_write_bytecode, sys.pycache_prefix) == kernel and fresh.WORKER_ENV not in os.environ
+    assert (sys.dont_write_bytecode, sys.pycache_prefix) == kernel and bytecode.WORKER_ENV not in os.environ
 
 
 def test_the_fork_server_keeps_bytecode_too(shell, bytecode_off):
-    hogwild.stop_forkserver()
+    forkserver.stop()
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
     try:
         reports = _worker_reports(shell, "forkserver")
     finally:
-        hogwild.stop_forkserver()
+        forkserver.stop()
     assert [(r["prefix"], r["off"], r["env"]) for r in reports] == [(str(bytecode_off), False, None)] * 2
     assert _pycs(bytecode_off)
 
 
 def test_turned_off_workers_write_no_bytecode(shell, bytecode_off, monkeypatch):
-    monkeypatch.setenv(fresh.SETTING, "off")
+    monkeypatch.setenv(bytecode.SETTING, "off")
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
     reports = _worker_reports(shell, "spawn")
     # The prefix is the one the environment gives them, and they write nothing.
@@ -143,7 +143,7 @@ def pool_task(ctx, meta, data):
 
 
 def test_dataparallel_ranks_keep_bytecode_too(bytecode_off):
-    from gpumagic.pool import WorkerPool
+    from gpumagic.procs.pool import WorkerPool
     pool = WorkerPool(["cpu", "cpu"], None).start()
     try:
         results = pool.run("tests.test_fresh:pool_task")
@@ -158,34 +158,34 @@ def test_loading_the_extension_fills_the_cache_in_the_background(shell, bytecode
     try:
         shell.run_line_magic("unload_ext", "gpumagic")
         shell.run_line_magic("load_ext", "gpumagic")
-        warming = fresh._warming
+        warming = bytecode._warming
         assert warming is not None and "pycache-warm" in session._closers
         assert warming.wait(120) == 0
         # What workers import is there before any worker ran: torch, DDP, torch._dynamo, gpumagic.
-        for module in ("torch", "torch._dynamo", "torch.nn.parallel", "gpumagic.sharedtrain_worker"):
+        for module in ("torch", "torch._dynamo", "torch.nn.parallel", "gpumagic.sharedtrain.worker"):
             source = sys.modules[module].__file__ if module in sys.modules else None
             if source is None:
                 import importlib.util
                 source = importlib.util.find_spec(module).origin
-            assert os.path.exists(fresh.bytecode_path(source, str(bytecode_off))), module
+            assert os.path.exists(bytecode.bytecode_path(source, str(bytecode_off))), module
         # A fresh start reaps it; with the cache filled, loading again starts nothing.
-        with fresh.starting("spawn"):
+        with start.starting("spawn"):
             pass
-        assert fresh._warming is None and "pycache-warm" not in session._closers
-        assert fresh.warm_cache() is None
-        assert os.path.exists(fresh.bytecode_path(torch_source, str(bytecode_off)))
+        assert bytecode._warming is None and "pycache-warm" not in session._closers
+        assert bytecode.warm_cache() is None
+        assert os.path.exists(bytecode.bytecode_path(torch_source, str(bytecode_off)))
     finally:
-        fresh.stop_warming()
+        bytecode.stop_warming()
 
 
 def test_unloading_the_extension_stops_the_warming_process(shell, bytecode_off):
     try:
         shell.run_line_magic("unload_ext", "gpumagic")
         shell.run_line_magic("load_ext", "gpumagic")
-        warming = fresh._warming
+        warming = bytecode._warming
         assert warming is not None and warming.poll() is None
     finally:
         shell.run_line_magic("unload_ext", "gpumagic")
         shell.run_line_magic("load_ext", "gpumagic")  # starts another: the cache is still not full
-        fresh.stop_warming()
-    assert warming.poll() is not None and fresh._warming is None
+        bytecode.stop_warming()
+    assert warming.poll() is not None and bytecode._warming is None

@@ -21,9 +21,12 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from gpumagic import sharedtrain_worker
 from gpumagic.errors import WorkerError
-from gpumagic.parallel import hogwild
+from gpumagic.procs import forkserver
+from gpumagic.procs.start import choose_start_method
+from gpumagic.sharedtrain import worker as sharedtrain_worker
+from gpumagic.sharedtrain.results import History, SharedTrainResult, WorkerStats
+from gpumagic.sharedtrain.sharing import plan_sharing
 from tests.conftest import ROOT, run_cell
 
 SETUP = """
@@ -243,13 +246,14 @@ def test_fresh_workers_run_notebook_classes_and_copy_the_optimizer(shell, method
 
 FORKSERVER_CELL = """%%sharedtrain --nprocs 2 --start-method forkserver --model model
 import os, sys
-report(dynamo="torch._dynamo" in sys.modules, worker="gpumagic.sharedtrain_worker" in sys.modules,
+report(dynamo="torch._dynamo" in sys.modules, worker="gpumagic.sharedtrain.worker" in sys.modules,
        ipython="IPython" in sys.modules, parent=os.getppid(), env=os.environ.get("GPUMAGIC_TEST_SETTING"))
 """
 
 
 def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, monkeypatch):
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver as mp_forkserver
+
     from gpumagic import session
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 1)")
     monkeypatch.setenv("GPUMAGIC_TEST_SETTING", "first")
@@ -257,8 +261,8 @@ def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, mo
     assert result.error_in_exec is None, out
     first = shell.user_ns["sharedtrain"].history
     servers = {e["parent"] for h in first for e in h}
-    assert servers == {forkserver._forkserver._forkserver_pid} == {hogwild._forkserver_pid}
-    assert "sharedtrain-forkserver" in session._closers
+    assert servers == {mp_forkserver._forkserver._forkserver_pid} == {forkserver.ours()}
+    assert "forkserver" in session._closers
     # Preloaded in the server: workers never import torch or what a first optimizer call needs,
     # and nothing made them import IPython.
     assert all(e["dynamo"] and e["worker"] and not e["ipython"] for h in first for e in h)
@@ -272,13 +276,13 @@ def test_forkserver_keeps_one_server_with_torch_loaded_for_later_cells(shell, mo
     assert [e["env"] for h in second for e in h] == ["second", "second"]
     # %unload_ext gpumagic stops it.
     server = servers.pop()
-    assert hogwild.stop_forkserver() is True
-    assert not _alive(server) and "sharedtrain-forkserver" not in session._closers
-    assert forkserver._forkserver._forkserver_pid is None
+    assert forkserver.stop() is True
+    assert not _alive(server) and "forkserver" not in session._closers
+    assert mp_forkserver._forkserver._forkserver_pid is None
 
 
 def test_where_fork_is_unsafe_later_cells_start_from_the_fork_server(shell):
-    hogwild.stop_forkserver()
+    forkserver.stop()
     stop = threading.Event()
     poller = threading.Thread(target=stop.wait, name="user-poller")  # a thread fork is not safe with
     poller.start()
@@ -293,7 +297,7 @@ def test_where_fork_is_unsafe_later_cells_start_from_the_fork_server(shell):
         assert first.start_method == "spawn" and "'user-poller'" in first.start_reason
         assert "not running yet, so this cell's workers start with spawn meanwhile" in first.start_reason
         assert {e["parent"] for h in first.history for e in h} == {os.getpid()}
-        server = hogwild._forkserver_pid
+        server = forkserver.ours()
         assert server is not None and _alive(server)
         result, out, _ = run_cell(shell, cell)
         assert result.error_in_exec is None, out
@@ -303,7 +307,7 @@ def test_where_fork_is_unsafe_later_cells_start_from_the_fork_server(shell):
     finally:
         stop.set()
         poller.join()
-        hogwild.stop_forkserver()
+        forkserver.stop()
 
 
 LAZY_IMPORT_SCRIPT = """
@@ -337,14 +341,9 @@ def test_gpu_values_reported_are_read_when_sent(monkeypatch):
     # report() keeps a copy of a CUDA tensor and reads it at the next send (no wait for the GPU
     # every step); CPU tensors become numbers at once.
     sent = []
-
-    class Conn:
-        def send(self, message):
-            sent.append(message)
-
-    channel = sharedtrain_worker._Channel(Conn(), rank=0, t0=time.monotonic())
+    channel = sharedtrain_worker.Channel(sent.append, t0=time.monotonic())
     channel.report(loss=torch.tensor(0.5), ids=torch.arange(3), note="x")
-    entry = channel.buffer[-1] if channel.buffer else sent[-1][2][4][-1]
+    entry = channel.buffer[-1] if channel.buffer else sent[-1][5][-1]
     assert entry["loss"] == 0.5 and entry["ids"] == [0, 1, 2] and entry["note"] == "x"
     entries = [{"step": 1, "time": 0.0, "loss": torch.tensor([1.5, 2.5]), "one": torch.tensor([4.0])}]
     sharedtrain_worker._resolve(entries)
@@ -548,33 +547,33 @@ def test_start_method_is_fork_only_where_safe():
     from IPython.core.history import HistorySavingThread
     safe = [_FakeThread("IPythonHistorySavingThread", cls_module=HistorySavingThread.__module__),
             _FakeThread("Heartbeat", cls_module="ipykernel.heartbeat")]
-    assert hogwild.choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
+    assert choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
     user = safe + [_FakeThread("Thread-9 (poll)", target=_helper_pids)]
     # Where fork is unsafe on Linux, a fork server with torch imported starts the workers.
-    method, why = hogwild.choose_start_method(None, "cpu", False, user, "linux")
+    method, why = choose_start_method(None, "cpu", False, user, "linux")
     assert method == "forkserver" and "'Thread-9 (poll)'" in why and "fork server" in why
-    assert hogwild.choose_start_method(None, "cpu", True, safe, "linux")[0] == "forkserver"
-    method, why = hogwild.choose_start_method(None, "cuda:0", False, safe, "linux")
+    assert choose_start_method(None, "cpu", True, safe, "linux")[0] == "forkserver"
+    method, why = choose_start_method(None, "cuda:0", False, safe, "linux")
     assert method == "forkserver" and "cuda:0" in why
-    assert hogwild.choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
-    assert hogwild.choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
-    assert hogwild.choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
+    assert choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
+    assert choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
+    assert choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
     with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; valid choices: spawn"):
-        hogwild.choose_start_method("fork", "cuda:1", True, safe, "linux")
+        choose_start_method("fork", "cuda:1", True, safe, "linux")
 
 
 def test_sharing_plan_follows_the_open_file_limit():
-    assert hogwild.plan_sharing(100, 20, 1024, 4096) == ("file_descriptor", None, None)
-    strategy, soft, note = hogwild.plan_sharing(2000, 20, 1024, 1 << 20)
+    assert plan_sharing(100, 20, 1024, 4096) == ("file_descriptor", None, None)
+    strategy, soft, note = plan_sharing(2000, 20, 1024, 1 << 20)
     assert strategy == "file_descriptor" and soft == 2 * (2000 + 20 + 64) and "1024" in note
-    strategy, soft, note = hogwild.plan_sharing(2000, 20, 1024, 1500)
+    strategy, soft, note = plan_sharing(2000, 20, 1024, 1500)
     assert strategy == "file_system" and soft is None and "ulimit -n" in note
-    assert hogwild.plan_sharing(10 ** 6, 20, 1024, 1500, strategy="file_system") == ("file_system", None, None)
+    assert plan_sharing(10 ** 6, 20, 1024, 1500, strategy="file_system") == ("file_system", None, None)
 
 
 LOW_LIMIT_SCRIPT = """
 import os, resource, torch
-from gpumagic.parallel.hogwild import train_shared
+from gpumagic.sharedtrain.launch import train_shared
 resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)])   # 80 storages
 before = model[-1].bias.detach().clone()
@@ -605,8 +604,8 @@ def test_low_open_file_limit_switches_to_file_system_sharing():
 
 
 def test_history_and_summary_rendering():
-    from gpumagic.parallel.hogwild_display import render_summary, sparkline
-    history = hogwild.History(2)
+    from gpumagic.sharedtrain.display import render_summary, sparkline
+    history = History(2)
     history.extend(0, [{"step": 1, "time": 0.1, "loss": 2.0}, {"step": 2, "time": 0.3, "loss": 1.0}])
     history.extend(1, [{"step": 1, "time": 0.2, "loss": 3.0, "acc": 0.5}])
     assert history.keys() == ["loss", "acc"]
@@ -616,9 +615,9 @@ def test_history_and_summary_rendering():
     assert repr(history) == "History(2 workers; reports per rank: 2, 1; keys: loss, acc)"
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
     assert sparkline([1.0] * 100, width=10) == "▁" * 10
-    stats = [hogwild.WorkerStats(rank=r, pid=100 + r, steps=2, samples=64, first_step=0.1, last_time=0.5,
+    stats = [WorkerStats(rank=r, pid=100 + r, steps=2, samples=64, first_step=0.1, last_time=0.5,
                                  last={"loss": 1.0}, state="done") for r in range(2)]
-    result = hogwild.SharedTrainResult(modules={"net": torch.nn.Linear(1, 1)}, nprocs=2, start_method="fork",
+    result = SharedTrainResult(modules={"net": torch.nn.Linear(1, 1)}, nprocs=2, start_method="fork",
                                        start_reason="safe", device="cpu", seed=0,
                                        sharing_strategy="file_descriptor", history=history, workers=stats,
                                        seconds=0.6, status="done", notes=["a note"])

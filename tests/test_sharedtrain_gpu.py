@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpumagic.errors import WorkerError
-from gpumagic.parallel import hogwild
+from gpumagic.procs import forkserver
 from tests.conftest import run_cell
 
 pytestmark = pytest.mark.gpu
@@ -84,7 +84,7 @@ def test_four_workers_train_the_model_on_cuda0_and_leave_nothing(shell):
 
     # CUDA workers need a process of their own: from the fork server (torch already imported) once
     # it runs; until then with spawn, and the server starts when the cell ends.
-    expected = "forkserver" if hogwild._forkserver_running() else "spawn"
+    expected = "forkserver" if forkserver.running() else "spawn"
     result, out, _ = run_cell(shell, TRAIN.format(epochs=2))
     assert result.error_in_exec is None, out
     trained = ns["sharedtrain"]
@@ -119,7 +119,7 @@ def test_worker_error_on_gpu_leaves_the_model_usable(shell):
     before_children = _children()
     run_cell(shell, SETUP + "model = model.to('cuda:0')")
     model = shell.user_ns["model"]
-    expected = "forkserver" if hogwild._forkserver_running() else "spawn"
+    expected = "forkserver" if forkserver.running() else "spawn"
     result, out, _ = run_cell(shell, """%%sharedtrain --nprocs 4
 dev = next(model.parameters()).device
 for x, y in loader:

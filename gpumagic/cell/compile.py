@@ -14,11 +14,12 @@ sees in the cell.
 from __future__ import annotations
 
 import ast
+import itertools
 import linecache
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-__all__ = ["CompiledCell", "compile_cell", "run_compiled", "register_source", "is_empty"]
+__all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty"]
 
 
 @dataclass
@@ -28,6 +29,7 @@ class CompiledCell:
     last_expr: object | None   # code object for eval, or None when the cell ends in a statement
     filename: str              # the name tracebacks show as ``Cell In[n]``
     tree: ast.Module           # the final AST, after every transformer
+    source: str = ""           # the cell as the notebook shows it, the magic's line included
 
 
 def is_empty(cell: str | None) -> bool:
@@ -55,7 +57,7 @@ def _cell_number(shell) -> int:
     """
     try:
         return int(shell.displayhook.prompt_count)
-    except Exception:
+    except (AttributeError, TypeError, ValueError):  # a shell without IPython's display hook
         return getattr(shell, "execution_count", 0)
 
 
@@ -91,12 +93,33 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
         last = body_nodes.pop()
         last_expr = shell.compile(ast.Expression(last.value), filename, "eval")
     body = shell.compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
-    return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree)
+    return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree, source=full_source)
+
+
+_plain_counter = itertools.count(1)
+
+
+def compile_plain(cell: str, header: str = "", label: str = "cell") -> CompiledCell:
+    """Compile ``cell`` without a shell (plain Python callers), under a name tracebacks show as a cell.
+
+    No IPython transforms apply: the cell must be plain Python. Line numbers count ``header``.
+    """
+    offset = header.count("\n") + 1 if header else 0
+    source = (header.rstrip("\n") + "\n" + cell) if header else cell
+    filename = f"<cell-{label}-{next(_plain_counter)}>"
+    register_source(filename, source)
+    tree = ast.parse("\n" * offset + cell, filename=filename)
+    body_nodes = list(tree.body)
+    last_expr = None
+    if body_nodes and isinstance(body_nodes[-1], ast.Expr):
+        last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")
+    body = compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
+    return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree, source=source)
 
 
 def run_compiled(compiled: CompiledCell, namespace: dict):
     """Run a compiled cell in ``namespace``; returns the last expression's value."""
-    __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+    __tracebackhide__ = True
     exec(compiled.body, namespace)
     if compiled.last_expr is not None:
         return eval(compiled.last_expr, namespace)

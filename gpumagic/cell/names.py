@@ -1,16 +1,25 @@
-"""What a cell uses from the notebook: modules, optimizers, loaders, plain values.
+"""Which names a cell reads and binds, and which notebook functions it reaches.
 
-Plain functions over a cell's AST and the user's namespace; no IPython here.
+Plain functions over a cell's AST (and, for :func:`used_names`, the
+notebook's namespace); no IPython, no torch.
+
+In a notebook::
+
+    tree = ast.parse(cell)
+    used_names(tree, get_ipython().user_ns)   # ['model', 'loader', 'train', 'loss_fn', ...]
 """
 from __future__ import annotations
 
 import ast
-import numbers
+import re
+import types
 
-from ..errors import usage_error
+__all__ = ["names_read", "names_assigned", "free_reads", "used_names", "loop_targets", "names_tree",
+           "notebook_names"]
 
-__all__ = ["names_read", "names_assigned", "find_modules", "find_optimizers", "find_loaders",
-           "is_plain_value"]
+# IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
+_HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
+_SHELL = frozenset({"get_ipython", "exit", "quit"})
 
 
 def names_read(tree: ast.AST) -> list[str]:
@@ -31,79 +40,194 @@ def names_assigned(tree: ast.AST) -> list[str]:
                 seen.setdefault(node.name, None)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 seen.setdefault(node.id, None)
-            elif isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not stmt:
+            elif isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    and node is not stmt:
                 break  # names inside nested scopes are not the notebook's
     return list(seen)
 
 
-def _module_names(namespace: dict) -> list[str]:
-    import torch
-    return sorted(n for n, v in namespace.items()
-                  if isinstance(v, torch.nn.Module) and not n.startswith("_"))
+def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
+    """Notebook names the cell reads (see :func:`free_reads`), plus the globals of the
+    notebook functions it calls (``train(...)``), transitively."""
+    found: dict[str, None] = dict.fromkeys(free_reads(tree))
+    frontier = list(found)
+    seen_code: set = set()
+    for _ in range(depth):
+        nxt = []
+        for name in frontier:
+            for code in _code_objects(namespace.get(name), namespace):
+                if id(code) in seen_code:
+                    continue
+                seen_code.add(id(code))
+                for g in _global_names(code):
+                    if g not in found and g in namespace:
+                        found[g] = None
+                        nxt.append(g)
+        frontier = nxt
+    return list(found)
 
 
-def find_modules(tree: ast.AST, namespace: dict, names: list[str] | None = None) -> dict:
-    """The ``nn.Module`` objects the cell trains: those named, else those it reads.
+def _code_objects(value, namespace):
+    """Code of notebook functions (and of methods of notebook classes) that ``value`` is."""
+    if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+        yield value.__code__
+    elif isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
+        for attr in vars(value).values():
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            if isinstance(attr, types.FunctionType) and attr.__globals__ is namespace:
+                yield attr.__code__
 
-    Raises ``UsageError`` naming the notebook's modules when a name is not a
-    module or the cell uses none.
+
+def _global_names(code):
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def free_reads(tree: ast.AST) -> list[str]:
+    """Names the cell may read before binding them itself: the notebook values it needs.
+
+    ``it = iter(loader)`` or ``x, y = batch`` inside the loop bind before they
+    read, so the notebook's old ``it``, ``x``, ``y`` are not shipped (an old
+    iterator would not even pickle; old batches would cost memory and time).
+    Bindings inside ``if``/``for``/``while``/``try`` count only inside them,
+    since they may not run; functions and lambdas count all their reads.
     """
-    import torch
-    choices = _module_names(namespace)
-    if names:
-        found = {}
-        for name in names:
-            if name not in namespace:
-                raise usage_error(f"--model {name!r}: no such variable in the notebook", choices)
-            if not isinstance(namespace[name], torch.nn.Module):
-                kind = type(namespace[name]).__name__
-                raise usage_error(f"--model {name!r} is a {kind}, not a torch.nn.Module", choices)
-            found[name] = namespace[name]
-        return found
-    found = {n: namespace[n] for n in names_read(tree)
-             if isinstance(namespace.get(n), torch.nn.Module)}
-    if not found:
-        raise usage_error("the cell uses no torch.nn.Module from the notebook; define the model in an "
-                          "earlier cell or name it with --model NAME", choices)
-    # A module that is a submodule of another found module trains with its parent.
-    parents = list(found.values())
-    return {n: m for n, m in found.items()
-            if not any(m is not p and any(m is s for s in p.modules()) for p in parents)}
+    reads: dict[str, None] = {}
+    _block(getattr(tree, "body", []), set(), reads)
+    return list(reads)
 
 
-def find_optimizers(tree: ast.AST, namespace: dict, modules: dict) -> dict:
-    """Optimizers the cell reads whose parameters belong to ``modules``."""
-    import torch
-    params = {id(p) for m in modules.values() for p in m.parameters()}
-    found = {}
-    for name in names_read(tree):
-        value = namespace.get(name)
-        if isinstance(value, torch.optim.Optimizer):
-            if any(id(p) in params for g in value.param_groups for p in g["params"]):
-                found[name] = value
-    return found
+def _expr_reads(node, bound: set, reads: dict, local: frozenset = frozenset()) -> None:
+    if node is None:
+        return
+    if isinstance(node, ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id not in bound and node.id not in local:
+            reads.setdefault(node.id, None)
+        return
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+        targets = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        inner = local | targets
+        for g in node.generators:
+            _expr_reads(g.iter, bound, reads, inner)
+            for cond in g.ifs:
+                _expr_reads(cond, bound, reads, inner)
+        for part in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+            _expr_reads(part, bound, reads, inner)
+        return
+    if isinstance(node, ast.Lambda):
+        args = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            _expr_reads(d, bound, reads, local)
+        _expr_reads(node.body, bound, reads, local | args)
+        return
+    for child in ast.iter_child_nodes(node):
+        _expr_reads(child, bound, reads, local)
 
 
-def find_loaders(tree: ast.AST, namespace: dict) -> dict:
-    """DataLoaders the cell reads."""
-    from torch.utils.data import DataLoader
-    return {n: namespace[n] for n in names_read(tree) if isinstance(namespace.get(n), DataLoader)}
+def _store_names(node) -> set:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
-def is_plain_value(value, _depth: int = 0) -> bool:
-    """Numbers, strings, None, and lists/tuples/dicts of them (what a cell's metrics are).
+def _block(stmts, bound: set, reads: dict) -> None:
+    """Walk statements in execution order; ``bound`` grows with what is surely bound."""
+    for st in stmts:
+        if isinstance(st, ast.Assign):
+            _expr_reads(st.value, bound, reads)
+            for t in st.targets:
+                _expr_reads(t, bound, reads)          # subscripts/attributes read their base
+                bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(st, ast.AnnAssign):
+            _expr_reads(st.value, bound, reads)
+            if st.value is not None and isinstance(st.target, ast.Name):
+                bound.add(st.target.id)
+            elif not isinstance(st.target, ast.Name):
+                _expr_reads(st.target, bound, reads)
+        elif isinstance(st, ast.AugAssign):
+            _expr_reads(st.value, bound, reads)
+            if isinstance(st.target, ast.Name):
+                if st.target.id not in bound:
+                    reads.setdefault(st.target.id, None)
+            else:
+                _expr_reads(st.target, bound, reads)
+        elif isinstance(st, (ast.For, ast.AsyncFor)):
+            _expr_reads(st.iter, bound, reads)
+            _block(st.body, bound | _store_names(st.target), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, ast.While):
+            _expr_reads(st.test, bound, reads)
+            _block(st.body, set(bound), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, ast.If):
+            _expr_reads(st.test, bound, reads)
+            _block(st.body, set(bound), reads)
+            _block(st.orelse, set(bound), reads)
+        elif isinstance(st, (ast.With, ast.AsyncWith)):
+            for item in st.items:
+                _expr_reads(item.context_expr, bound, reads)
+                if item.optional_vars is not None:
+                    bound |= _store_names(item.optional_vars)
+            _block(st.body, bound, reads)               # a with-body always starts
+        elif isinstance(st, ast.Try) or type(st).__name__ == "TryStar":
+            _block(st.body, set(bound), reads)
+            for h in st.handlers:
+                _expr_reads(h.type, bound, reads)
+                _block(h.body, bound | ({h.name} if h.name else set()), reads)
+            _block(st.orelse, set(bound), reads)
+            _block(st.finalbody, set(bound), reads)
+        elif isinstance(st, (ast.Import, ast.ImportFrom)):
+            for alias in st.names:
+                if alias.name != "*":
+                    bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            # Reads inside may happen at any later call: count them all (minus the function's own names).
+            own = {a.arg for a in ast.walk(st) if isinstance(a, ast.arg)} | _store_names(st)
+            for node in ast.walk(st):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                        and node.id not in bound and node.id not in own:
+                    reads.setdefault(node.id, None)
+            bound.add(st.name)
+        elif isinstance(st, (ast.Global, ast.Nonlocal)):
+            continue
+        elif type(st).__name__ == "Match":
+            _expr_reads(st.subject, bound, reads)
+            for case in st.cases:
+                for node in ast.walk(case):
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                        reads.setdefault(node.id, None)
+        else:
+            _expr_reads(st, bound, reads)
 
-    Zero-dimensional tensors count too: ``loss.item()`` is often forgotten.
-    """
-    if _depth > 4:
-        return False
-    if value is None or isinstance(value, (bool, str, bytes, numbers.Number)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return len(value) <= 1_000_000 and all(is_plain_value(v, _depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and is_plain_value(v, _depth + 1) for k, v in value.items())
-    torch = __import__("sys").modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return value.dim() == 0
-    return False
+
+def loop_targets(tree: ast.AST) -> list[str]:
+    """Names bound by ``for`` and ``with ... as`` (batches, files): not worth a note when left behind."""
+    found = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            targets = [node.target]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            targets = [item.optional_vars for item in node.items if item.optional_vars is not None]
+        for target in targets:
+            found.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return sorted(found)
+
+
+def names_tree(names: list[str]) -> ast.Module:
+    """A tree that reads exactly ``names`` (to ask the namespace helpers about them)."""
+    return ast.Module([ast.Expr(ast.Name(id=n, ctx=ast.Load())) for n in names], type_ignores=[])
+
+
+def notebook_names(names: list[str], ns: dict, hidden: dict | None = None) -> list[str]:
+    """``names`` that are the user's values in ``ns``: not IPython's history, not hidden by the shell."""
+    hidden = hidden or {}
+    out = []
+    for n in names:
+        if n not in ns or n in _SHELL or _HISTORY.match(n):
+            continue
+        if n in hidden and hidden[n] is ns[n]:
+            continue
+        out.append(n)
+    return out

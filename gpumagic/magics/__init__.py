@@ -1,16 +1,20 @@
 """Thin Magics classes: parse arguments, call a plain function, display the result.
 
-Each module holds one magic; the list below is what ``%load_ext`` registers.
-Modules are imported when the extension loads, and they import torch only
-inside the magic's body.
+Each module holds one magic; :data:`MAGIC_CLASSES` is what ``%load_ext``
+registers. Modules are imported when the extension loads, and they import
+torch only inside the magic's body.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 
-from .. import fresh, session
+from .. import session
+from ..procs import bytecode
 
-# (module, class) for every magic class; later magics add themselves here.
+logger = logging.getLogger(__name__)
+
+# (module, class) for every magic class.
 MAGIC_CLASSES = [
     ("gpumagic.magics.info", "InfoMagics"),
     ("gpumagic.magics.memory", "MemoryMagics"),
@@ -22,27 +26,22 @@ MAGIC_CLASSES = [
 
 def _classes():
     for module_name, class_name in MAGIC_CLASSES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # not written yet in this build
-                continue
-            raise
-        yield getattr(module, class_name)
+        yield getattr(importlib.import_module(module_name), class_name)
 
 
 def register(shell) -> None:
     for cls in _classes():
         shell.register_magics(cls(shell))
     try:
-        fresh.warm_cache()  # only where workers would otherwise compile torch: see fresh.py
-    except Exception:
-        pass  # a speed-up only; workers then fill the cache themselves
+        bytecode.warm_cache()  # only where workers would otherwise compile torch: see procs/bytecode.py
+    except OSError:  # a speed-up only; workers then fill the cache themselves
+        logger.debug("could not start filling the workers' bytecode cache", exc_info=True)
 
 
 def unregister(shell) -> None:
-    """Stop background threads and pools, then remove every gpumagic magic."""
-    session.close_all()
+    """Stop background threads, pools and servers, then remove every gpumagic magic."""
+    for error in session.close_all():
+        logger.warning("while unloading gpumagic: %s: %s", type(error).__name__, error)
     table = shell.magics_manager.magics
     for cls in _classes():
         for kind, names in cls.magics.items():

@@ -1,7 +1,7 @@
 """``%%dataparallel``: train the cell's model on every device; the trained weights come back.
 
-Thin: parse the line, make a :class:`gpumagic.parallel.Plan`, call
-``parallel.ddp.run_cell`` or ``parallel.dp.run_cell``, show a one-line
+Thin: parse the line, make a :class:`gpumagic.dataparallel.plan.Plan`, call
+``dataparallel.run.run_cell`` or ``dataparallel.dp.run_cell``, show a one-line
 summary. The line form manages the worker pool: ``%dataparallel status``,
 ``%dataparallel stop``.
 """
@@ -21,8 +21,8 @@ _ACTIONS = ("status", "stop", "listen")
 
 def pool_status() -> display.Rendered:
     """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid."""
-    from .. import pool as poolmod
-    from ..parallel import POOL_NAME
+    from ..dataparallel.plan import POOL_NAME
+    from ..procs import pool as poolmod
     pool = poolmod.current_pool(POOL_NAME)
     if pool is None:
         return display.Rendered("%%dataparallel pool: not started (the first %%dataparallel cell starts it)",
@@ -31,7 +31,7 @@ def pool_status() -> display.Rendered:
     head = (f"%%dataparallel pool: {st['state']}, {st['world_size']} rank(s), backend {st['backend']}, "
             f"rendezvous {st['rendezvous'] or '-'}, started in {st['start_seconds'] or 0:.1f} s, "
             f"{st['tasks_run']} cell(s) run")
-    cached = getattr(pool, "held", set())
+    cached = pool.held
     if cached:
         head += f", {len(cached)} large tensor(s) kept in the workers"
     header = ["rank", "device", "name", "pid", "alive", "memory (RSS)"]
@@ -71,7 +71,7 @@ class DataParallelMagics(Magics):
               help="DDP find_unused_parameters=True: for models whose forward skips some parameters")
     @argument("--bucket-mb", type=float, default=None, help="DDP gradient bucket size in MB (default 25)")
     @argument("--remote", type=int, default=None,
-              help="N more ranks that join from other machines (python -m gpumagic.pool join ...)")
+              help="N more ranks that join from other machines (python -m gpumagic.procs.remote join ...)")
     @argument("--listen", default=None,
               help="with --remote or listen: the address other machines reach this kernel at "
                    "(default: $GPUMAGIC_LISTEN_ADDR, $MASTER_ADDR, else the hostname's)")
@@ -109,7 +109,7 @@ class DataParallelMagics(Magics):
             raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
                               "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
         from ..cell.compile import is_empty
-        from ..parallel import make_plan
+        from ..dataparallel.plan import make_plan
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
@@ -118,12 +118,12 @@ class DataParallelMagics(Magics):
             return None
         header = f"%%dataparallel {line}".rstrip()
         if plan.strategy == "dp":
-            from ..parallel import dp
+            from ..dataparallel import dp
             return dp.run_cell(self.shell, cell, plan, header=header).value
-        from ..parallel import ddp
+        from ..dataparallel.run import run_cell
         for text in plan.notes:
             display.note(text)
-        result = ddp.run_cell(self.shell, cell, plan, header=header)
+        result = run_cell(self.shell, cell, plan, header=header)
         if result.not_returned:
             display.note("left in the workers (not plain values): " + ", ".join(result.not_returned))
         display.note(result.summary())
@@ -134,19 +134,20 @@ class DataParallelMagics(Magics):
         if action not in _ACTIONS:
             raise usage_error(f"%dataparallel {action!r}: the line form takes an action", _ACTIONS)
         if action == "listen":
-            from .. import pool as poolmod
-            from ..parallel import _host_address
             import os
+
+            from ..dataparallel.plan import host_address
+            from ..procs.remote import session_listener
             addr = args.listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") \
-                or _host_address()
-            listener = poolmod.session_listener(addr)
+                or host_address()
+            listener = session_listener(addr)
             n = args.nprocs or 1
             print(f"On each other machine, run (N = its number of GPUs):\n  {listener.command(n)}\n"
                   f"then run cells with %%dataparallel --remote <total ranks joining> --listen {listener.addr}")
             return None
         if action == "stop":
-            from .. import pool as poolmod
-            from ..parallel import POOL_NAME
+            from ..dataparallel.plan import POOL_NAME
+            from ..procs import pool as poolmod
             stopped = poolmod.stop_pool(POOL_NAME)
             display.note("%%dataparallel pool stopped" if stopped else "%%dataparallel pool was not running")
             return None

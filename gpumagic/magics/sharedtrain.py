@@ -1,8 +1,8 @@
 """``%%sharedtrain``: Hogwild training of the notebook's model from several processes.
 
-Thin: parse the line, call :func:`gpumagic.parallel.hogwild.train_shared`,
+Thin: parse the line, call :func:`gpumagic.sharedtrain.launch.train_shared`,
 show progress while it runs and a summary (table, loss per worker) after
-(:mod:`gpumagic.parallel.hogwild_display`). The result is left in the
+(:mod:`gpumagic.sharedtrain.display`). The result is left in the
 notebook as ``sharedtrain``.
 """
 from __future__ import annotations
@@ -57,10 +57,10 @@ class SharedTrainMagics(Magics):
 
         Afterwards ``sharedtrain.history`` holds each worker's reports.
         """
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         args = parse(self.sharedtrain, line)
-        from ..parallel.hogwild import train_shared
-        from ..parallel.hogwild_display import RESULT_NAME, Progress
+        from ..sharedtrain.display import RESULT_NAME, Progress
+        from ..sharedtrain.launch import train_shared
         progress = Progress(self.shell)
         header = f"%%sharedtrain {line}".rstrip()
         try:

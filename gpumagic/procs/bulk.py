@@ -1,15 +1,16 @@
-"""Bulk bytes between the kernel and its workers: anonymous shared memory, or the socket.
+"""Bulk bytes between the kernel and its workers: anonymous shared memory, or the pipe.
 
 A pipe moves a few hundred MB/s; a ResNet-50 and its optimizer state are
 200 MB. So the bytes of tensors travel through a ``memfd`` (Linux anonymous
-shared memory): the sender writes them once into its mapping, the receiver
-reads them from its own mapping of the same pages, and the file descriptor
-itself is passed over the control socket the first time (and again only when
-the buffer grows). A memfd has no name in ``/dev/shm`` and is freed when the
-last process holding it exits, however it exits: nothing can leak.
+shared memory): the sender writes them once into its mapping, every receiver
+maps the same pages, and the file descriptor itself is passed the first time
+(and again only when the buffer grows): over the control pipe
+(:meth:`Outgoing.send`), or with the process's start arguments
+(:meth:`Outgoing.handle`). A memfd has no name in ``/dev/shm`` and is freed
+when the last process holding it exits, however it exits: nothing can leak.
 
 Where file descriptors cannot travel (a worker on another machine, a system
-without ``memfd_create``), the same bytes go through the socket.
+without ``memfd_create``), the same bytes go through the pipe.
 
 One message carries a *bulk reference*, one of::
 
@@ -26,7 +27,7 @@ from multiprocessing import reduction
 
 import torch
 
-__all__ = ["Outgoing", "Incoming", "shm_supported"]
+__all__ = ["Outgoing", "Incoming", "BulkHandle", "shm_supported", "anonymous_memory"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -35,15 +36,34 @@ def shm_supported() -> bool:
     return hasattr(os, "memfd_create") and hasattr(reduction, "send_handle")
 
 
+def anonymous_memory(size: int) -> int:
+    """A descriptor of ``size`` bytes of anonymous shared memory (freed with its last descriptor)."""
+    fd = os.memfd_create("gpumagic-bulk", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """``size`` bytes of ``fd`` as a uint8 tensor whose views say ``is_shared()``, as torch's own do."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)
+    if new_shared is not None:
+        # torch keeps its own duplicate of the descriptor while the storage lives.
+        return torch.empty(0, dtype=torch.uint8).set_(new_shared(fd, size))
+    return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)  # pragma: no cover - older torch
+
+
 class Outgoing:
-    """The sender's buffer: ``get(n)`` gives a uint8 tensor to fill, ``send(...)`` the reference."""
+    """The sender's buffer: ``get(n)`` gives a uint8 tensor to fill; ``send`` or ``handle`` passes it on."""
 
     def __init__(self, shared: bool = True):
         self.shared = shared and shm_supported()
         self.gen = 0
         self.size = 0
-        self._fd = None
-        self._mm = None
+        self._fd: int | None = None
         self._tensor = torch.empty(0, dtype=torch.uint8)
         self._peers_have: dict = {}   # peer key -> generation it has mapped
 
@@ -58,18 +78,16 @@ class Outgoing:
             self._tensor = torch.empty(size, dtype=torch.uint8)
             self.size = size
             return
-        fd = os.memfd_create("gpumagic-bulk", getattr(os, "MFD_CLOEXEC", 0))
+        fd = anonymous_memory(size)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
+            mapped = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
         except BaseException:
             os.close(fd)
             raise
         if self._fd is not None:
             os.close(self._fd)
         # The old mapping goes away with the last tensor viewing it.
-        self._fd, self._mm, self.size = fd, mm, size
-        self._tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self._fd, self._tensor, self.size = fd, mapped, size
         self.gen += 1
 
     def owns(self, data) -> bool:
@@ -99,6 +117,15 @@ class Outgoing:
             return
         conn.send_bytes(data.numpy() if isinstance(data, torch.Tensor) else data)
 
+    def handle(self, data) -> BulkHandle | None:
+        """``data`` (None, bytes, or a tensor from :meth:`get`) as an argument for a process being
+        started: the descriptor travels with the process's start (fork, spawn or fork server)."""
+        if data is None:
+            return None
+        if self.shared and self.owns(data):
+            return BulkHandle(self._fd, self.size, data.numel())
+        return BulkHandle(None, 0, 0, bytes(data.numpy() if isinstance(data, torch.Tensor) else data))
+
     def forget(self, peer) -> None:
         self._peers_have.pop(peer, None)
 
@@ -106,10 +133,39 @@ class Outgoing:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._mm = None
         self._tensor = torch.empty(0, dtype=torch.uint8)
         self.size = 0
         self._peers_have.clear()
+
+
+class BulkHandle:
+    """Bulk bytes given to a process as it starts: a shared-memory descriptor, or the bytes themselves.
+
+    Under spawn and the fork server the descriptor is pickled with the
+    process's arguments as one of its own (``DupFd``); under fork it is inherited.
+    """
+
+    def __init__(self, fd: int | None, size: int, nbytes: int, data: bytes | None = None):
+        self.fd, self.size, self.nbytes, self.data = fd, size, nbytes, data
+
+    def __reduce__(self):
+        if self.fd is None:
+            return (BulkHandle, (None, 0, 0, self.data))
+        return (BulkHandle._rebuild, (reduction.DupFd(self.fd), self.size, self.nbytes))
+
+    @staticmethod
+    def _rebuild(dup, size: int, nbytes: int) -> BulkHandle:
+        return BulkHandle(dup.detach(), size, nbytes)
+
+    def open(self) -> torch.Tensor:
+        """In the worker: the bytes as a uint8 tensor (mapped, not copied); the descriptor is closed."""
+        if self.fd is None:
+            return torch.frombuffer(bytearray(self.data or b""), dtype=torch.uint8)
+        try:
+            return _map(self.fd, self.size)[: self.nbytes]
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
 
 class Incoming:
@@ -118,7 +174,6 @@ class Incoming:
     def __init__(self):
         self.gen = None
         self._mapped = torch.empty(0, dtype=torch.uint8)
-        self._mm = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def receive(self, conn, ref) -> torch.Tensor | None:
@@ -130,10 +185,9 @@ class Incoming:
             if new:
                 fd = reduction.recv_handle(conn)
                 try:
-                    self._mm = mmap.mmap(fd, size)
+                    self._mapped = _map(fd, size)
                 finally:
                     os.close(fd)
-                self._mapped = torch.frombuffer(self._mm, dtype=torch.uint8)
                 self.gen = gen
             if self.gen != gen:
                 raise RuntimeError(f"bulk buffer {gen} was never received (have {self.gen})")
@@ -147,5 +201,4 @@ class Incoming:
 
     def close(self) -> None:
         self._mapped = torch.empty(0, dtype=torch.uint8)
-        self._mm = None
         self._scratch = torch.empty(0, dtype=torch.uint8)

@@ -1,23 +1,17 @@
-"""Starting fresh Python interpreters as workers: spawn, the fork server, DDP ranks.
+"""Fresh workers keep their bytecode where Python is told to write none.
 
-Wrap the ``start()`` of such processes in :func:`starting`. It does two things:
-
-* **Hides the notebook's** ``__main__``. spawn and forkserver re-import the
-  parent's ``__main__`` in each child: a notebook has none to import (after
-  ``%reset`` not even a ``__spec__``), and after ``%run script.py`` its
-  ``__file__`` would run the script again in every worker. Workers need
-  nothing from it: cells travel by value.
-* **Keeps the workers' bytecode.** A fresh worker imports about a thousand of
-  torch's modules. Where Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``
-  or ``-B``, common in containers) and none was written at install time, it
-  compiles them all first: about 2 s of CPU per worker, in every cell. Workers
-  then keep their bytecode in a cache of gpumagic's own, outside every source
-  tree (``sys.pycache_prefix``), and later workers read it. The cache is
-  ``$GPUMAGIC_PYCACHE``, else ``$XDG_CACHE_HOME/gpumagic/pycache``, else
-  ``~/.cache/gpumagic/pycache``; ``GPUMAGIC_PYCACHE=off`` turns it off.
-  Where Python writes bytecode as usual, nothing changes. :func:`warm_cache`
-  (run as the extension loads) fills the cache in the background the first
-  time, so that even the first workers find it ready.
+A fresh worker (spawn, the fork server, a ``%%dataparallel`` rank) imports
+about a thousand of torch's modules. Where Python writes no bytecode
+(``PYTHONDONTWRITEBYTECODE`` or ``-B``, common in containers) and none was
+written when torch was installed, it compiles them all first: about 2 s of
+CPU per worker, in every cell. Workers then keep their bytecode in a cache of
+gpumagic's own, outside every source tree (``sys.pycache_prefix``), and later
+workers read it. The cache is ``$GPUMAGIC_PYCACHE``, else
+``$XDG_CACHE_HOME/gpumagic/pycache``, else ``~/.cache/gpumagic/pycache``;
+``GPUMAGIC_PYCACHE=off`` turns it off. Where Python writes bytecode as usual,
+nothing changes. :func:`warm_cache` (run as the extension loads) fills the
+cache in the background the first time, so that even the first workers find
+it ready.
 
 In a notebook::
 
@@ -26,14 +20,27 @@ In a notebook::
 """
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import sys
-import types
-from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SETTING", "WORKER_ENV", "worker_pycache", "bytecode_path", "warm_cache", "stop_warming",
+           "reap_warming", "keep_bytecode"]
 
 SETTING = "GPUMAGIC_PYCACHE"            # the person's choice: a directory, or "off"
 WORKER_ENV = "GPUMAGIC_WORKER_PYCACHE"  # parent to worker: where to keep bytecode (read by gpumagic/__init__)
 _OFF = ("off", "0", "no", "false", "none")
+_CLOSER = "pycache-warm"
+
+# What fresh workers import: torch, gpumagic's worker sides, DDP, and what a first optimizer step
+# imports (torch._dynamo). With these in the cache even the first worker starts from bytecode.
+WORKER_IMPORTS = ("gpumagic.procs.worker", "gpumagic.sharedtrain.worker", "gpumagic.dataparallel.rank",
+                  "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+
+_warming: subprocess.Popen | None = None   # the process filling the cache, until it is reaped
 
 
 def _writes_bytecode() -> bool:
@@ -82,18 +89,12 @@ def worker_pycache() -> str | None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError:
-        return None  # a read-only home, say: workers compile as Python would anyway
+        logger.debug("no bytecode cache at %s: workers compile as Python would anyway", path, exc_info=True)
+        return None
     return path if os.access(path, os.W_OK) else None
 
 
-# What fresh workers import: torch, gpumagic's worker sides, DDP, and what a first optimizer step
-# imports (torch._dynamo). With these in the cache even the first worker starts from bytecode.
-_WORKER_IMPORTS = ("import gpumagic.sharedtrain_worker, gpumagic.pool, torch.distributed, "
-                   "torch.nn.parallel, torch._dynamo")
-_warming = None   # the process filling the cache, until it is reaped
-
-
-def warm_cache():
+def warm_cache() -> subprocess.Popen | None:
     """Fill the workers' bytecode cache in the background where it is needed and holds no torch yet.
 
     Run as the extension loads: a low-priority Python imports what workers
@@ -102,20 +103,21 @@ def warm_cache():
     bytecode. Returns the ``subprocess.Popen``, or None when there is nothing to do.
     """
     global _warming
-    import subprocess
     cache = worker_pycache()  # None also where torch is not installed
-    if cache is None or os.path.exists(bytecode_path(_torch_source(), cache)):
+    torch_source = _torch_source()
+    if cache is None or torch_source is None or os.path.exists(bytecode_path(torch_source, cache)):
         return None
     if _warming is not None and _warming.poll() is None:
         return _warming
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import os, sys; os.nice(19); sys.path.insert(0, {package_parent!r}); {_WORKER_IMPORTS}"
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (f"import os, sys; os.nice(19); sys.path.insert(0, {package_parent!r}); "
+            f"import {', '.join(WORKER_IMPORTS)}")
     # No thread waits for it (a thread would make fork unsafe for %%sharedtrain): it is reaped by
     # the next fresh start or when the extension unloads.
     _warming = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, WORKER_ENV: cache},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from . import session
-    session.register_closer("pycache-warm", stop_warming)
+    from .. import session
+    session.register_closer(_CLOSER, stop_warming)
     return _warming
 
 
@@ -125,16 +127,17 @@ def stop_warming(timeout: float = 1.0) -> None:
     proc, _warming = _warming, None
     if proc is None:
         return
-    from . import session
-    session.unregister_closer("pycache-warm")
+    from .. import session
+    session.unregister_closer(_CLOSER)
     try:
         proc.wait(timeout)
-    except Exception:
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
 
 
-def _reap_warming() -> None:
+def reap_warming() -> None:
+    """Reap the warming process if it has finished (called before fresh workers start)."""
     if _warming is not None and _warming.poll() is not None:
         stop_warming()
 
@@ -143,36 +146,3 @@ def keep_bytecode(path: str) -> None:
     """In a worker, before torch loads: read and write bytecode under ``path``."""
     sys.pycache_prefix = path
     sys.dont_write_bytecode = False
-
-
-@contextmanager
-def starting(method: str = "spawn"):
-    """Around ``Process.start()`` of fresh workers (``method`` spawn or forkserver; fork: nothing to do).
-
-    ::
-
-        with fresh.starting("spawn"):
-            process.start()
-    """
-    _reap_warming()
-    if method == "fork":
-        yield
-        return
-    cache = worker_pycache()
-    saved_main, saved_env = sys.modules.get("__main__"), os.environ.get(WORKER_ENV)
-    stub = types.ModuleType("__main__")
-    stub.__spec__ = None
-    sys.modules["__main__"] = stub
-    if cache:
-        # Through the environment because the child reads it as gpumagic is first imported, before
-        # anything it unpickles imports torch; gpumagic/__init__ removes it there again.
-        os.environ[WORKER_ENV] = cache
-    try:
-        yield
-    finally:
-        if saved_main is not None:
-            sys.modules["__main__"] = saved_main
-        if saved_env is None:
-            os.environ.pop(WORKER_ENV, None)
-        else:
-            os.environ[WORKER_ENV] = saved_env

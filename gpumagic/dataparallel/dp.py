@@ -27,9 +27,9 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..cell import compile as cells
+from ..cell.values import find_modules
 from ..display import note
-from ..cell.names import find_modules
-from . import Plan
+from .plan import Plan
 
 __all__ = ["DataParallelCall", "ModelCallRewriter", "run_cell", "DPResult", "HELPER"]
 
@@ -87,7 +87,7 @@ class DataParallelCall:
         warnings.warn(message, UserWarning, stacklevel=3)
 
     def __call__(self, module, *args, **kwargs):
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         self.calls += 1
         if len(self.devices) == 1:
             if self.output_device.type == "cuda":
@@ -133,6 +133,7 @@ class DataParallelCall:
 
     def _check_module(self, module) -> None:
         import torch
+
         from ..errors import usage_error
         self._checked.add(id(module))
         wrong = {str(t.device) for t in list(module.parameters()) + list(module.buffers())

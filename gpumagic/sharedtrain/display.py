@@ -11,6 +11,7 @@ import sys
 import time
 
 from .. import display
+from ..procs.output import RankOutput
 
 __all__ = ["Progress", "render_summary", "render_progress", "sparkline", "RESULT_NAME"]
 
@@ -197,6 +198,7 @@ class Progress:
         self.status_shown = False
         self.started = time.monotonic()
         self.last_text = self.started
+        self._output = RankOutput(prefix=True, before_write=self._clear_status)
 
     def update(self, result) -> None:
         result._display_started = self.started
@@ -218,11 +220,8 @@ class Progress:
             print(_status_line(result), flush=True)
 
     def output(self, rank: int, stream: str, text: str) -> None:
-        """What a worker printed, prefixed with its rank."""
-        self._clear_status()
-        target = sys.stderr if stream == "stderr" else sys.stdout
-        target.write("".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True)))
-        target.flush()
+        """What a worker printed, line by line, prefixed with its rank."""
+        self._output.write(rank, stream, text)
 
     def _clear_status(self) -> None:
         if self.status_shown:
@@ -232,6 +231,7 @@ class Progress:
 
     def finish(self, result) -> None:
         """Replace the live view with the summary."""
+        self._output.flush()
         self._clear_status()
         view = render_summary(result)
         if self.notebook:
@@ -245,6 +245,7 @@ class Progress:
 
     def stopped(self, result, exc) -> None:
         """A short account of a run that ended early (the error itself follows)."""
+        self._output.flush()
         self._clear_status()
         if result is None:
             return

@@ -1,18 +1,11 @@
-"""Training strategies for ``%%dataparallel``: the plan of a run, then ``ddp`` or ``dp``.
+"""The plan of a ``%%dataparallel`` cell: which devices, which strategy, which backend.
 
-:func:`make_plan` turns the magic's options into a :class:`Plan` (devices,
-backend, strategy), raising ``UsageError`` that names what would work.
-``ddp.run_cell`` runs a cell on a worker pool, one process per device;
-``dp.run_cell`` runs it in the kernel, splitting each call of the model over
-the devices.
+:func:`make_plan` turns the magic's options into a :class:`Plan`, raising
+``UsageError`` that names what would work, before anything starts.
 
 In a notebook::
 
-    %%dataparallel --nprocs 2
-    for x, y in loader:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
+    make_plan(nprocs=2, gpus=[]).devices       # ['cpu', 'cpu']
 """
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import usage_error
 
-__all__ = ["Plan", "make_plan", "STRATEGIES", "BACKENDS", "POOL_NAME"]
+__all__ = ["Plan", "make_plan", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
 
 STRATEGIES = ("ddp", "dp")
 BACKENDS = ("nccl", "gloo")
@@ -63,22 +56,33 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
-
-    >>> make_plan(nprocs=2, gpus=[]).devices
-    ['cpu', 'cpu']
     """
     from .. import devices as devmod
-
     gpus = devmod.visible_gpus() if gpus is None else gpus
-    gpu_names = [g.device for g in gpus]
-    notes: list[str] = []
-
     strategy = (strategy or "ddp").lower()
+    backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
+    notes: list[str] = []
+    listed = _listed_devices(devices, gpus)
+    chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
+    if strategy == "dp":
+        return _dp_plan(chosen, backend, timeout, models, all_output, seed, notes)
+    on_gpu = chosen[0] != "cpu"
+    backend = _check_backend(backend, on_gpu)
+    if on_gpu and len(chosen) == 1 and not remote:
+        notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
+    if remote:
+        listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
+    return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
+                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen)
+
+
+def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_count: int) -> str | None:
+    """Options that are wrong whatever the machine; returns the backend, lower-cased."""
     if strategy not in STRATEGIES:
         raise usage_error(f"--strategy {strategy!r} is not a strategy", STRATEGIES)
     if nprocs is not None and nprocs < 1:
         raise usage_error(f"--nprocs {nprocs}: need at least one process",
-                          [f"--nprocs {n}" for n in range(1, max(2, len(gpus)) + 1)])
+                          [f"--nprocs {n}" for n in range(1, max(2, gpu_count) + 1)])
     if timeout is not None and timeout <= 0:
         raise usage_error(f"--timeout {timeout}: must be a positive number of seconds")
     if backend is not None:
@@ -91,11 +95,17 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         raise usage_error(f"--remote {remote}: the number of ranks joining from other machines", ["--remote 8"])
     if remote and strategy == "dp":
         raise usage_error("--remote needs worker processes; --strategy dp runs in the kernel", ["--strategy ddp"])
+    return backend
 
+
+def _listed_devices(devices: str | None, gpus) -> list[str]:
+    """``--devices`` as canonical names: one kind (CPU or GPUs), no GPU twice."""
+    from .. import devices as devmod
+    gpu_names = [g.device for g in gpus]
     listed: list[str] = []
     for spec in _split(devices):
         name = devmod.parse_device(spec, gpus)
-        if name not in ("cpu",) and not name.startswith("cuda:"):
+        if name != "cpu" and not name.startswith("cuda:"):
             raise usage_error(f"--devices: {name!r} cannot hold a rank", ["cpu"] + gpu_names)
         listed.append(name)
     if devices is not None and not listed:
@@ -105,79 +115,69 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         raise usage_error("--devices mixes cpu and GPUs; one kind per run", [",".join(gpu_names) or "cpu", "cpu"])
     if len(set(gpu_listed)) != len(gpu_listed):
         raise usage_error(f"--devices names a GPU twice ({','.join(listed)})", gpu_names)
+    return listed
 
-    if listed == ["cpu"] * len(listed) and listed:
+
+def _choose_devices(listed: list[str], nprocs, strategy: str, gpu_names: list[str], notes: list[str]) -> list[str]:
+    """One device per rank, from ``--devices``, ``--nprocs`` and what the machine has."""
+    if listed and listed == ["cpu"] * len(listed):
         count = nprocs if nprocs is not None else max(len(listed), 1 if strategy == "dp" else CPU_DEFAULT_NPROCS)
-        chosen = ["cpu"] * count
-    elif listed:
+        return ["cpu"] * count
+    if listed:
         if nprocs is not None and nprocs != len(listed):
             raise usage_error(f"--nprocs {nprocs} does not match --devices {','.join(listed)} "
                               f"({len(listed)} devices); give one of them", [f"--nprocs {len(listed)}"])
-        chosen = listed
-    elif nprocs is not None:
-        if gpus:
-            if nprocs > len(gpus):
-                raise usage_error(f"--nprocs {nprocs}: only {len(gpus)} GPU(s) visible; one process per GPU, "
-                                  f"or CPU processes with --devices cpu --nprocs {nprocs}",
-                                  [f"--nprocs {n}" for n in range(1, len(gpus) + 1)] + [f"--devices cpu --nprocs {nprocs}"])
-            chosen = gpu_names[:nprocs]
-        else:
-            chosen = ["cpu"] * nprocs
-    else:
-        if gpus:
-            chosen = list(gpu_names)
-        else:
-            chosen = ["cpu"] * (1 if strategy == "dp" else CPU_DEFAULT_NPROCS)
-            if strategy == "ddp":
-                notes.append(f"no GPU visible: {CPU_DEFAULT_NPROCS} CPU processes (gloo); "
-                             "--nprocs N for another count")
+        return listed
+    if nprocs is not None:
+        if not gpu_names:
+            return ["cpu"] * nprocs
+        if nprocs > len(gpu_names):
+            raise usage_error(f"--nprocs {nprocs}: only {len(gpu_names)} GPU(s) visible; one process per GPU, "
+                              f"or CPU processes with --devices cpu --nprocs {nprocs}",
+                              [f"--nprocs {n}" for n in range(1, len(gpu_names) + 1)]
+                              + [f"--devices cpu --nprocs {nprocs}"])
+        return gpu_names[:nprocs]
+    if gpu_names:
+        return list(gpu_names)
+    if strategy == "ddp":
+        notes.append(f"no GPU visible: {CPU_DEFAULT_NPROCS} CPU processes (gloo); --nprocs N for another count")
+        return ["cpu"] * CPU_DEFAULT_NPROCS
+    return ["cpu"]
 
-    on_gpu = chosen[0] != "cpu"
-    if strategy == "dp":
-        if backend is not None:
-            raise usage_error("--backend applies to --strategy ddp (worker processes); dp runs in the kernel",
-                              ["--strategy ddp --backend " + (backend or "gloo")])
-        if not on_gpu:
-            if len(chosen) > 1:
-                notes.append("--strategy dp on the CPU runs on one device: the cell runs as is, without splitting")
-            chosen = ["cpu"]
-            notes.append("--strategy dp on cpu: one device, so each call of the model runs whole (no parallelism)")
-        elif len(chosen) == 1:
-            notes.append(f"--strategy dp with one device ({chosen[0]}): each call runs whole on it")
-        return Plan("dp", chosen, None, timeout or 1800.0, _split(models) or None, all_output, seed,
-                    notes=notes)
 
+def _dp_plan(chosen, backend, timeout, models, all_output, seed, notes) -> Plan:
+    if backend is not None:
+        raise usage_error("--backend applies to --strategy ddp (worker processes); dp runs in the kernel",
+                          ["--strategy ddp --backend " + backend])
+    if chosen[0] == "cpu":
+        if len(chosen) > 1:
+            notes.append("--strategy dp on the CPU runs on one device: the cell runs as is, without splitting")
+        chosen = ["cpu"]
+        notes.append("--strategy dp on cpu: one device, so each call of the model runs whole (no parallelism)")
+    elif len(chosen) == 1:
+        notes.append(f"--strategy dp with one device ({chosen[0]}): each call runs whole on it")
+    return Plan("dp", chosen, None, timeout or 1800.0, _split(models) or None, all_output, seed, notes=notes)
+
+
+def _check_backend(backend: str | None, on_gpu: bool) -> str:
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise usage_error("torch.distributed is not available in this torch build; use --strategy dp",
+                          ["--strategy dp"])
     if backend is None:
         backend = "nccl" if on_gpu else "gloo"
     if backend == "nccl":
         if not on_gpu:
             raise usage_error("--backend nccl needs GPUs, and the ranks here are on the CPU", ["gloo"])
-        import torch.distributed as dist
         if not dist.is_nccl_available():
             raise usage_error("--backend nccl: this torch was built without NCCL", ["gloo"])
-    try:
-        import torch.distributed as dist
-        if not dist.is_available():
-            raise usage_error("torch.distributed is not available in this torch build; use --strategy dp",
-                              ["--strategy dp"])
-    except ImportError:  # pragma: no cover
-        raise usage_error("torch.distributed is not available; use --strategy dp", ["--strategy dp"]) from None
-    if on_gpu and len(chosen) == 1 and not remote:
-        notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
-    if remote:
-        listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or _host_address()
-    return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen)
+    return backend
 
 
-def _host_address() -> str:
+def host_address() -> str:
     """This machine's address as other machines would reach it (the hostname's)."""
     import socket
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

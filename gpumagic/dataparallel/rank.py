@@ -1,0 +1,286 @@
+"""A ``%%dataparallel`` cell on one rank: the worker's side of :mod:`.run`.
+
+:func:`rank_main` (a task of the :mod:`gpumagic.procs.worker` loop) rebuilds
+the notebook values on the rank's device, wraps each trained module in DDP
+and binds it to the cell's name (so ``model(x)`` averages gradients), splits
+each DataLoader so the ranks share every global batch, seeds every rank
+alike, runs the cell compiled under the notebook's cell name (tracebacks show
+``Cell In[n], line k``), and sends back what the kernel loads: rank 0's
+weights, optimizer state and plain values. Every rank keeps the large tensors
+it trained for the next cell (:mod:`gpumagic.procs.tensor_cache`).
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import logging
+import time
+import types
+
+from ..cell.compile import register_source
+from ..cell.values import is_plain_value
+from ..procs.loaders import shard_loader
+from ..procs.seeding import seed_all
+from ..procs.tensor_cache import TensorStore
+from ..procs.wire import pack, unpack_namespace
+from .wrapping import RankDevice, cell_ddp_class
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["rank_main", "TASK", "RemoteRepr"]
+
+TASK = "gpumagic.dataparallel.rank:rank_main"
+PROGRESS_EVERY = 1.0   # seconds between a rank's progress messages
+
+
+class RemoteRepr:
+    """Rank 0's last expression when it cannot travel: shown by its repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def _no_ipython():
+    raise RuntimeError("IPython magics and !commands are not available inside a %%dataparallel cell: "
+                       "the cell runs in worker processes without IPython")
+
+
+def rank_main(ctx, meta: dict, data):
+    """Run one cell on this rank; returns ``(payload, buffer)``."""
+    store = ctx.state.setdefault("store", TensorStore())
+    try:
+        return _run_cell(ctx, meta, data, store)
+    except BaseException:
+        store.clear()  # tensors handed to the failed cell may be half-updated
+        raise
+
+
+def _run_cell(ctx, meta: dict, data, store: TensorStore):
+    device = ctx.torch_device
+    _apply_flags(meta["flags"])
+    ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store)
+    _prepare_namespace(ns, meta, device)
+    seed_all(meta["seed"])
+    inner = _wrap_modules(ns, meta, device)
+    # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
+    opts = {name: ns[name] for name in meta["optimizers"]}
+    for opt in opts.values():
+        opt.load_state_dict(opt.state_dict())
+    stats = {"steps": 0, "samples": 0, "seconds": 0.0}
+    _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats)
+    value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+    # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
+    for module in inner.values():
+        for p in module.parameters():
+            p.grad = None
+    keys = store.rebuild(_trained_tensors(tensors, inner, opts))
+    payload = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
+    buffer = None
+    if ctx.rank == 0:
+        state = _rank0_state(ns, meta, inner, opts, value)
+        packed = pack(state, targets=_all_cpu(state), fingerprint=False, scratch=ctx.outgoing)
+        payload["state"] = packed.header
+        payload["returned_bytes"] = packed.nbytes
+        buffer = packed.data()
+    return payload, buffer
+
+
+def _prepare_namespace(ns: dict, meta: dict, device) -> None:
+    ns["__name__"] = "__main__"
+    ns["__builtins__"] = builtins
+    ns.setdefault("get_ipython", _no_ipython)
+    for name in meta["device_strings"]:
+        ns[name] = str(device) if device.type == "cuda" else "cpu"
+    if meta.get("placement"):
+        from ..cell.placement import Placement, install_passthrough
+        install_passthrough()
+        ns[meta["placement"]] = Placement(device)
+
+
+def _wrap_modules(ns: dict, meta: dict, device) -> dict:
+    """Modules on the rank's device, wrapped in DDP, the cell's name bound to the wrapper."""
+    ddp_kwargs = {"gradient_as_bucket_view": True,
+                  "static_graph": bool(meta["ddp"]["static_graph"]),
+                  "find_unused_parameters": bool(meta["ddp"]["find_unused"])}
+    if meta["ddp"]["bucket_mb"]:
+        ddp_kwargs["bucket_cap_mb"] = meta["ddp"]["bucket_mb"]
+    if device.type == "cuda":
+        ddp_kwargs["device_ids"] = [device.index]
+    wrapper_cls = cell_ddp_class()
+    inner = {}
+    for name in meta["modules"]:
+        module = ns[name]
+        module.to(device)
+        inner[name] = module
+        if any(p.requires_grad for p in module.parameters()):
+            ns[name] = wrapper_cls(module, **ddp_kwargs)
+    return inner
+
+
+def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict) -> None:
+    for name in meta["loaders"]:
+        sharded = shard_loader(ns[name], rank, world, split="batch", seed=meta["seed"])
+        sharded.batch_sampler.__class__ = _counting_sampler_class(type(sharded.batch_sampler))
+        sharded.batch_sampler._gpumagic_stats = stats
+        ns[name] = sharded
+
+
+def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
+    """Run the cell; returns its last expression's value and when the user's code started and ended."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    tree = meta["tree"]
+    if device.type == "cuda":
+        tree = ast.fix_missing_locations(RankDevice(device.index).visit(copy.deepcopy(tree)))
+    filename = meta["filename"]
+    register_source(filename, meta["source"])
+    body_nodes = list(tree.body)
+    last_expr = None
+    if body_nodes and isinstance(body_nodes[-1], ast.Expr):
+        last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")
+    body = compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
+
+    t_start = time.monotonic()
+    last_sent = [t_start]
+
+    def on_step(optimizer, args, kwargs):
+        stats["steps"] += 1
+        now = time.monotonic()
+        if now - last_sent[0] >= PROGRESS_EVERY:
+            last_sent[0] = now
+            stats["seconds"] = now - t_start
+            ctx.send({"kind": "progress", "stats": dict(stats)})
+
+    handle = register_optimizer_step_post_hook(on_step)
+    ctx.send({"kind": "started", "t": t_start})
+    try:
+        exec(body, ns)
+        value = eval(last_expr, ns) if last_expr is not None else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        handle.remove()
+    t_end = time.monotonic()
+    stats["seconds"] = t_end - t_start
+    return value, t_start, t_end
+
+
+def _trained_tensors(tensors: list, inner: dict, opts: dict) -> list:
+    """What every rank holds for the next cell: what it trained, and the data it read."""
+    import torch
+    held = list(tensors)
+    for module in inner.values():
+        held += list(module.state_dict(keep_vars=True).values())
+    for opt in opts.values():
+        for st in opt.state.values():
+            held += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return held
+
+
+def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
+    state: dict = {
+        "modules": {n: m.state_dict() for n, m in inner.items()},
+        "optimizers": {n: o.state_dict() for n, o in opts.items()},
+        "stateful": _stateful_states(ns, meta["stateful"]),
+        "values": {},
+        "assigned": meta["assigned"],
+        "not_returned": [],
+        "value": _returnable(value),
+    }
+    trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
+    for n in meta["return_names"]:
+        if n not in ns:
+            continue
+        v = ns[n]
+        if is_plain_value(v):
+            state["values"][n] = _detached(v)
+        elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
+                and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
+            state["not_returned"].append(n)
+    return state
+
+
+def _stateful_states(ns: dict, names: list) -> dict:
+    states = {}
+    for n in names:
+        try:
+            states[n] = ns[n].state_dict()
+        except Exception:  # its state stays in the workers; the notebook keeps the object as it was
+            logger.debug("state_dict() of %r failed", n, exc_info=True)
+    return states
+
+
+def _all_cpu(state) -> dict:
+    import torch
+    targets = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            targets[id(o)] = "cpu"
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(state)
+    return targets
+
+
+def _detached(value):
+    """Plain values without autograd history (``loss`` kept as a tensor is common)."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _returnable(value):
+    import torch
+    if value is None or is_plain_value(value):
+        return value
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        return value.detach()
+    numpy = __import__("sys").modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return value
+    return RemoteRepr(repr(value))
+
+
+def _apply_flags(flags: dict) -> None:
+    """The kernel's matmul precision and cuDNN settings, which decide results as much as the code."""
+    import torch
+    torch.set_float32_matmul_precision(flags.get("float32_matmul_precision", "highest"))
+    torch.backends.cudnn.benchmark = flags.get("cudnn_benchmark", False)
+    torch.backends.cudnn.deterministic = flags.get("cudnn_deterministic", False)
+    torch.backends.cudnn.allow_tf32 = flags.get("cudnn_allow_tf32", True)
+    torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
+
+
+_COUNTING: dict = {}
+
+
+def _counting_sampler_class(base):
+    """``base`` with its batches counted into ``_gpumagic_stats['samples']`` (for the progress display)."""
+    cls = _COUNTING.get(base)
+    if cls is None:
+        def __iter__(self):
+            stats = self._gpumagic_stats
+            for batch in base.__iter__(self):
+                stats["samples"] += len(batch)
+                yield batch
+        cls = type(base.__name__, (base,), {"__iter__": __iter__})
+        _COUNTING[base] = cls
+    return cls

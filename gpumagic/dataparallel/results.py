@@ -1,0 +1,132 @@
+"""What a ``%%dataparallel`` cell did, and rank 0's trained state brought into the notebook.
+
+:func:`load_into_notebook` checks that rank 0's state fits the notebook's
+objects, then loads it into them in place (modules, optimizers, schedulers
+and other objects with a ``state_dict``) and binds the plain values the cell
+assigned. Nothing changes unless everything fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CellResult", "load_into_notebook", "cloned"]
+
+
+@dataclass
+class CellResult:
+    """What a ``%%dataparallel`` cell did, for display and for benchmarks."""
+    devices: list[str]
+    backend: str
+    modules: list[str]
+    optimizers: list[str]
+    loaders: list[str]
+    stateful: list[str]
+    values: list[str] = field(default_factory=list)          # plain values bound in the notebook
+    not_returned: list[str] = field(default_factory=list)    # assigned names left in the workers
+    value: object = None                                     # rank 0's last expression
+    per_rank: dict = field(default_factory=dict)             # rank -> steps, samples, seconds
+    pids: list = field(default_factory=list)
+    pool_started: bool = False
+    timings: dict = field(default_factory=dict)
+    shipped_bytes: int = 0
+    cached_bytes: int = 0
+    returned_bytes: int = 0
+
+    def summary(self) -> str:
+        what = ", ".join(self.modules + self.optimizers + self.stateful)
+        ranks = f"{len(self.devices)} rank{'s' if len(self.devices) != 1 else ''} ({self.backend})"
+        steps = {s.get("steps", 0) for s in self.per_rank.values()}
+        step_text = f", {next(iter(steps))} optimizer steps each" if len(steps) == 1 and steps != {0} else ""
+        text = f"%%dataparallel: {ranks}{step_text}; trained state loaded into {what}"
+        if self.values:
+            text += f"; values: {', '.join(self.values)}"
+        return text
+
+
+def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
+    """Check everything first, then copy rank 0's state into the notebook's objects in place."""
+    import torch
+    problems = []
+    for name, module in modules.items():
+        got = state["modules"][name]
+        have = module.state_dict()
+        missing = sorted(set(have) - set(got))
+        extra = sorted(set(got) - set(have))
+        if missing or extra:
+            problems.append(f"{name}: the cell changed its structure (missing {missing[:3]}, new {extra[:3]})")
+            continue
+        for k, v in have.items():
+            if tuple(v.shape) != tuple(got[k].shape):
+                problems.append(f"{name}.{k}: shape {tuple(v.shape)} became {tuple(got[k].shape)} in the cell")
+    for name, opt in optimizers.items():
+        got = state["optimizers"][name]
+        if len(got["param_groups"]) != len(opt.param_groups) or any(
+                len(g["params"]) != len(h["params"]) for g, h in zip(got["param_groups"], opt.param_groups)):
+            problems.append(f"{name}: the cell changed the optimizer's parameter groups")
+    if problems:
+        raise RuntimeError("the ranks finished, but their state does not fit the notebook's objects, which are "
+                           "left as they were: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, module in modules.items():
+            module.load_state_dict(state["modules"][name])
+    for name, opt in optimizers.items():
+        opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
+    for name in stateful:
+        if name in state["stateful"]:
+            ns[name].load_state_dict(cloned(state["stateful"][name]))
+    bound = []
+    for name, value in state["values"].items():
+        old = ns.get(name, _MISSING)
+        if isinstance(old, list) and isinstance(value, list) and name not in state.get("assigned", ()):
+            if old != value:
+                old[:] = value        # a list the cell appended to: same object, new contents
+                bound.append(name)
+        elif isinstance(old, dict) and isinstance(value, dict) and name not in state.get("assigned", ()):
+            if old != value:
+                old.clear()
+                old.update(value)
+                bound.append(name)
+        elif name in state.get("assigned", ()) or not _equal(old, value):
+            ns[name] = value
+            bound.append(name)
+    return {"values": bound}
+
+
+_MISSING = object()
+
+
+def _optimizer_state_to_keep(opt, sd: dict) -> dict:
+    """``sd`` whose tensors the optimizer may keep: the received ones are views of a reused buffer.
+
+    ``load_state_dict`` copies a state tensor to its parameter's GPU anyway; it keeps CPU ones
+    (and ``step``) as they are, so those are cloned here.
+    """
+    import torch
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for idx, st in sd["state"].items():
+        on_gpu = isinstance(idx, int) and idx < len(params) and params[idx].device.type != "cpu"
+        state[idx] = {k: (v.clone() if isinstance(v, torch.Tensor) and (not on_gpu or k == "step" or v.dim() == 0)
+                          else cloned(v) if not isinstance(v, torch.Tensor) else v)
+                      for k, v in st.items()}
+    return {**sd, "state": state}
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001 - any value's __eq__ may raise (tensors of several elements do): unequal
+        return False
+
+
+def cloned(obj):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cloned(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cloned(v) for v in obj)
+    return obj

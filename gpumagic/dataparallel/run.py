@@ -1,0 +1,255 @@
+"""``%%dataparallel`` with worker processes: DistributedDataParallel, one process per device.
+
+The kernel's side of a cell (:func:`run_cell`): find what the cell trains
+(modules, their optimizers, the DataLoaders it reads, LR schedulers and other
+objects with a ``state_dict``), ship them and every other notebook value the
+cell reads to the pool (:mod:`gpumagic.procs.pool`), stream rank 0's output
+into the cell, and, when every rank has finished, load rank 0's weights,
+buffers and optimizer state into the notebook's own objects in place and bind
+the plain values the cell assigned (:mod:`.results`). Nothing in the notebook
+changes unless every rank succeeded. The ranks' side is :mod:`.rank`.
+
+Why the result equals single-process training: each global batch is split
+into equal shares, each rank's loss is the mean over its share, DDP averages
+the gradients, so the update is that of the mean loss over the whole batch.
+
+In a notebook the magic is the way in::
+
+    %%dataparallel --nprocs 2
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+from ..cell.compile import compile_cell
+from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
+from ..errors import usage_error
+from ..procs.output import RankOutput
+from ..procs.seeding import draw_seed
+from ..procs.wire import Unshippable, pack_namespace
+from .plan import POOL_NAME, Plan
+from .progress import Progress
+from .rank import TASK
+from .results import CellResult, cloned, load_into_notebook
+from .wrapping import CUDA_STRING
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_cell", "last_result", "CellSurvey", "survey_cell"]
+
+# Modules each rank imports while the pool starts: DistributedDataParallel's constructor imports
+# torch._dynamo (over a second), better paid then than in the user's first cell.
+RANK_PRELOAD = ("gpumagic.dataparallel.rank", "torch._dynamo", "torch.nn.parallel")
+
+_last: CellResult | None = None
+
+
+def last_result() -> CellResult | None:
+    """The :class:`CellResult` of the last ``%%dataparallel`` cell run with worker processes."""
+    return _last
+
+
+@dataclass
+class CellSurvey:
+    """What a cell trains and reads from the notebook, found before anything starts."""
+    used: list            # notebook names the cell (and the notebook functions it calls) reads
+    modules: dict
+    optimizers: dict
+    loaders: dict         # name -> DataLoader, those split across the ranks
+    stateful: list        # schedulers and other objects with a state_dict
+    assigned: list
+    return_names: list    # names whose plain values come back
+    device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
+
+
+def survey_cell(tree, shell, plan: Plan) -> CellSurvey:
+    """Find what the cell trains; ``UsageError`` before anything starts when it cannot run."""
+    import torch
+    ns = shell.user_ns
+    used = notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
+    probe = names_tree(used)
+    modules = find_modules(probe if not plan.models else tree, ns, plan.models)
+    optimizers = find_optimizers(probe, ns, modules)
+    loaders = find_loaders(probe, ns)
+    for name, loader in loaders.items():
+        if loader.batch_sampler is None:
+            raise usage_error(f"DataLoader {name!r} has batch_size=None: it cannot be split into per-rank "
+                              "batches; give it a batch_size")
+    if not loaders:
+        warnings.warn("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
+                      "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
+                      "split each batch across the ranks.", stacklevel=3)
+    for n, loader in list(loaders.items()):
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            warnings.warn(f"DataLoader {n!r} reads an IterableDataset: every rank reads all of it; shard it "
+                          "inside the dataset with torch.distributed.get_rank()", stacklevel=3)
+            del loaders[n]
+    stateful = [n for n in used if n not in modules and is_stateful(ns[n])]
+    assigned = names_assigned(tree)
+    names = list(dict.fromkeys(list(modules) + used))
+    plain_read = [n for n in names if n not in modules and is_plain_value(ns[n])]
+    trained = set(modules) | set(optimizers) | set(find_loaders(probe, ns))
+    return CellSurvey(
+        used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
+        assigned=assigned,
+        return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
+        device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
+
+
+def _tensor_targets(survey: CellSurvey) -> dict:
+    """Tensors of the trained modules go to the rank's device; optimizer state stays put until the
+    optimizer's own load_state_dict places it beside its parameter."""
+    import torch
+    targets = {}
+    for m in survey.modules.values():
+        for t in m.state_dict(keep_vars=True).values():
+            targets[id(t)] = "rank"
+    for opt in survey.optimizers.values():
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    targets[id(v)] = "keep"
+    return targets
+
+
+def _placement_for_cpu(tree, namespace):
+    """On CPU ranks, a cell written for ``.cuda()`` runs on the CPU (the %%ondevice rewrite)."""
+    from ..cell.placement import HELPER, rewrite_placement
+    tree, rewriter = rewrite_placement(copy.deepcopy(tree), namespace)
+    return tree, (HELPER if rewriter.rewrites else None)
+
+
+def _backend_flags() -> dict:
+    import torch
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+
+
+def _pool(plan: Plan):
+    from ..procs import pool as poolmod
+    extra = {"remote": plan.remote, "master_addr": plan.listen} if plan.remote else {}
+    return poolmod.get_pool(POOL_NAME, plan.devices, plan.backend, timeout=plan.timeout, preload=RANK_PRELOAD,
+                            **extra)
+
+
+def _unshippable(exc: Unshippable):
+    what = "; ".join(f"{name} ({type(value).__name__}: {error})" for name, value, error in exc.problems)
+    return usage_error(f"cannot send to the worker processes: {what}. Create such objects inside the cell, "
+                       "or run the cell with --strategy dp (in the kernel)")
+
+
+def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> CellResult:
+    """Run ``cell`` on the pool described by ``plan``; returns a :class:`~.results.CellResult`.
+
+    Raises ``UsageError`` before anything runs when the cell trains no
+    module, ``WorkerError`` when a rank fails (the notebook unchanged), and
+    re-raises ``KeyboardInterrupt`` after ending the ranks.
+    """
+    global _last
+    t_begin = time.monotonic()
+    ns = shell.user_ns
+    compiled = compile_cell(shell, cell, header=header)
+    survey = survey_cell(compiled.tree, shell, plan)
+    ship_tree, helper = _placement_for_cpu(compiled.tree, ns) if plan.devices[0] == "cpu" else (compiled.tree, None)
+    t_before_pool = time.monotonic()
+    pool, started = _pool(plan)
+    t_pool = time.monotonic()
+    try:
+        packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns, targets=_tensor_targets(survey),
+                                   held=pool.held, scratch=pool.outgoing)
+    except Unshippable as exc:
+        raise _unshippable(exc) from None
+    t_packed = time.monotonic()
+    meta = {
+        "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
+        "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
+        "stateful": survey.stateful, "device_strings": survey.device_strings,
+        "return_names": survey.return_names, "assigned": survey.assigned,
+        "loop_targets": loop_targets(compiled.tree),
+        "seed": plan.seed if plan.seed is not None else draw_seed(),
+        "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
+        "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb},
+    }
+    results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
+    t_ranks_done = time.monotonic()
+    payload, buffer = results[0]
+    state = _load(ns, pool, payload, buffer, survey)
+    # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
+    pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
+    t_end = time.monotonic()
+    pool_start = (t_pool - t_before_pool) if started else 0.0
+    user_ends = [p["t_user"][1] for p, _ in results]
+    _last = CellResult(
+        devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
+        optimizers=list(survey.optimizers), loaders=list(survey.loaders), stateful=survey.stateful,
+        values=state["bound"], not_returned=state.get("not_returned", []), value=state.get("value"),
+        per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
+        shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
+        returned_bytes=payload.get("returned_bytes", 0),
+        timings={
+            "total": t_end - t_begin,
+            "pool_start": pool_start,
+            "pack": t_packed - t_pool,
+            # cell start: from the magic's first line to every rank running the user's code,
+            # not counting the pool's start
+            "start": (max(started_at.values()) - t_begin - pool_start)
+            if len(started_at) == pool.world_size else None,
+            "run": max(user_ends) - min(started_at.values()) if started_at else None,
+            # weight return: from the last rank finishing the user's code to the notebook loaded
+            "return": t_end - max(user_ends),
+            "load": t_end - t_ranks_done,
+        },
+    )
+    return _last
+
+
+def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list, dict]:
+    """Run the cell on every rank, showing output and progress; returns results and start times."""
+    progress = Progress(pool.devices, shell)
+    output = RankOutput(prefix=all_output)
+    started_at: dict[int, float] = {}
+
+    def on_message(rank, msg):
+        if msg.get("kind") == "started":
+            started_at[rank] = msg["t"]
+        elif msg.get("kind") == "progress":
+            progress.update(rank, msg["stats"])
+
+    try:
+        results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)
+    except BaseException:
+        pool.held = set()
+        raise
+    finally:
+        output.flush()
+    for rank, (payload, _) in enumerate(results):
+        progress.update(rank, payload["stats"])
+    progress.tick(final=True)
+    return results, started_at
+
+
+def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey) -> dict:
+    """Rank 0's state into the notebook's objects; returns it with ``bound``, the values bound."""
+    from ..procs.wire import unpack
+    try:
+        state, _ = unpack(payload["state"], buffer, device="cpu", views_from=0)
+        # Weights are copied into the notebook's tensors; values are kept: they must not be
+        # views of the receive buffer that the next cell reuses.
+        state["values"], state["value"] = cloned(state["values"]), cloned(state.get("value"))
+        state["bound"] = load_into_notebook(ns, state, survey.modules, survey.optimizers, survey.stateful)["values"]
+    except BaseException:
+        pool.held = set()
+        raise
+    return state

@@ -1,0 +1,98 @@
+"""What a rank changes so that a cell written for one device trains on its own.
+
+* :func:`cell_ddp_class` - DistributedDataParallel that answers like the module it wraps;
+* :class:`RankDevice` - ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean the rank's GPU.
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+__all__ = ["cell_ddp_class", "RankDevice", "CUDA_STRING"]
+
+CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
+
+
+def _make_cell_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+
+    class CellDDP(DistributedDataParallel):
+        """DDP that answers like the module it wraps.
+
+        The cell's ``model`` is this wrapper, so ``model(x)`` synchronises
+        gradients; ``model.fc``, ``model.state_dict()`` and
+        ``model.named_parameters()`` look as they do in the notebook (no
+        ``module.`` prefix), so checkpoints saved in the cell load anywhere.
+        """
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                # Only once the wrapped module is in place (DDP's own __init__ probes attributes),
+                # and never for dunders (copy, pickle and friends ask for those).
+                modules = self.__dict__.get("_modules")
+                if name.startswith("__") or not modules or "module" not in modules:
+                    raise
+                return getattr(modules["module"], name)
+
+        def state_dict(self, *args, **kwargs):
+            return self.module.state_dict(*args, **kwargs)
+
+        def load_state_dict(self, *args, **kwargs):
+            return self.module.load_state_dict(*args, **kwargs)
+
+        def named_parameters(self, *args, **kwargs):
+            return self.module.named_parameters(*args, **kwargs)
+
+        def named_buffers(self, *args, **kwargs):
+            return self.module.named_buffers(*args, **kwargs)
+
+    return CellDDP
+
+
+CellDDP = None  # built on first use: importing torch.distributed stays out of the kernel's import path
+
+
+def cell_ddp_class():
+    """The :class:`CellDDP` class, made on first use."""
+    global CellDDP
+    if CellDDP is None:
+        CellDDP = _make_cell_ddp()
+    return CellDDP
+
+
+class RankDevice(ast.NodeTransformer):
+    """On GPU ranks: ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean this rank's GPU."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and CUDA_STRING.match(node.value) and ":" in node.value:
+            return ast.copy_location(ast.Constant(f"cuda:{self.index}"), node)
+        return node
+
+    def visit_JoinedStr(self, node):
+        return node  # f-strings are text, not devices
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in ("cuda", "set_device") and node.args:
+            node.args = [self._index(a) for a in node.args[:1]] + node.args[1:]
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "device" and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value == "cuda":
+            node.args[1] = self._index(node.args[1])      # torch.device("cuda", 0)
+        for kw in node.keywords:
+            if kw.arg == "device":
+                kw.value = self._index(kw.value)
+        return node
+
+    def _index(self, arg):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, int) and not isinstance(arg.value, bool):
+            return ast.copy_location(ast.Constant(self.index), arg)
+        return arg

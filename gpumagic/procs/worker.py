@@ -1,0 +1,364 @@
+"""Inside a worker process: one main loop for every worker gpumagic starts.
+
+:func:`worker_main` prepares the process (dies with the kernel, leads its own
+process group, ignores Ctrl-C: the kernel stops it), sets up its device and,
+for ``%%dataparallel`` ranks, joins the ``torch.distributed`` process group.
+Then it runs *tasks*: a task is a function ``task(ctx, meta, data)`` named
+``"module:function"``; ``ctx`` is the rank's :class:`WorkerContext`, ``data``
+the bulk bytes that came with it (a uint8 tensor, or None). A task returns a
+payload, or ``(payload, buffer)`` where ``buffer`` is bulk bytes for the
+kernel (fill ``ctx.outgoing.get(n)``). A worker started with a first task
+(``%%sharedtrain``) runs it and exits; a persistent one (``%%dataparallel``'s
+pool) waits for the next.
+
+Messages to the kernel, all through the one pipe::
+
+    ("ready", info)                 start-up done (persistent workers)
+    ("out", stream, text)           what the task printed
+    ("msg", obj)                    what the task sent with ctx.send(obj)
+    ("done", payload, bulk_ref)     the task's result (bulk bytes follow)
+    ("error", info)                 an exception (see .failures)
+
+and from it: ``("run", task, meta, bulk_ref)``, ``("stop",)``, ``("kill",)``.
+
+This module imports neither IPython nor the kernel's side of gpumagic, so a
+fresh worker starts with torch's import and little else.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import io
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .failures import exception_info
+from .teardown import die_with_parent, watch_kernel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WorkerConfig", "WorkerContext", "worker_main"]
+
+
+@dataclass
+class WorkerConfig:
+    """What one worker needs to start (picklable: it travels to fresh interpreters)."""
+    rank: int
+    world_size: int
+    device: str = "cpu"
+    method: str = "spawn"               # how it was started: fork, spawn or forkserver
+    parent_pid: int | None = None       # the kernel's pid
+    backend: str | None = None          # torch.distributed backend; None: no process group
+    rendezvous: tuple | None = None     # (address, port) of the kernel's store
+    timeout: float = 1800.0             # seconds a collective may wait
+    env: dict = field(default_factory=dict)   # added to the environment
+    environ: dict | None = None         # the whole environment (fork-server children: the kernel's as it is now)
+    threads: int | None = None          # torch threads on a CPU device
+    bind_cpus: bool = False             # run on the CPU cores near the GPU
+    preload: tuple = ()                 # modules a first task would import: imported while starting
+    remote: bool = False                # on another machine: no descriptors, a watchdog instead of signals
+
+
+class WorkerContext:
+    """What a task sees on its rank: rank, world size, device, and a way to talk to the kernel."""
+
+    def __init__(self, conn, config: WorkerConfig):
+        self.conn = conn
+        self.config = config
+        self.rank = config.rank
+        self.world_size = config.world_size
+        self.device = config.device
+        self.backend = config.backend
+        self.state: dict = {}          # kept between tasks (the tensor store lives here)
+        self.in_task = False
+        self._send_lock = threading.Lock()
+
+    @property
+    def torch_device(self):
+        import torch
+        return torch.device(self.device)
+
+    def send(self, obj) -> None:
+        """Send ``obj`` to the kernel's ``on_message`` while the task runs."""
+        self._send(("msg", obj))
+
+    def _send(self, msg) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            # The kernel is gone or stopped listening: nobody wants this work.
+            os._exit(1)
+
+    @property
+    def outgoing(self):
+        """This rank's bulk buffer for results: fill ``outgoing.get(n)`` and return it from the task."""
+        out = self.state.get("_outgoing")
+        if out is None:
+            from .bulk import Outgoing
+            out = self.state["_outgoing"] = Outgoing(shared=not self.config.remote)
+        return out
+
+    def _send_result(self, payload, buffer) -> None:
+        out = self.outgoing
+        ref, new = out.reference(buffer, peer="kernel", can_share=not self.config.remote)
+        with self._send_lock:
+            self.conn.send(("done", payload, ref))
+            out.send(self.conn, ref, new, buffer, "kernel", self.config.parent_pid)
+
+
+class ForwardedStream(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` in a worker: text goes to the kernel as it is written (or nowhere).
+
+    The kernel's side (:mod:`.output`) completes lines and prefixes them with the rank.
+    """
+
+    encoding = "utf-8"
+
+    def __init__(self, ctx: WorkerContext, stream: str, forward: bool):
+        self._ctx, self._stream, self.forward = ctx, stream, forward
+
+    def writable(self):
+        return True
+
+    def write(self, text):
+        if self.forward and text:
+            self._ctx._send(("out", self._stream, str(text)))
+        return len(text)
+
+    def isatty(self):
+        return False
+
+
+# ============================================================== the main loop
+
+def worker_main(conn, config: WorkerConfig, first=None) -> None:
+    """The worker process: prepare, start up, then run ``first`` (and exit) or tasks from ``conn``.
+
+    ``first`` is a list ``[task, meta, data]`` with ``data`` a :class:`~.bulk.BulkHandle` or None.
+    """
+    _prepare_process(config)
+    ctx = WorkerContext(conn, config)
+    try:
+        info = _start_up(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel
+        ctx._send(("error", exception_info(config.rank, exc)))
+        os._exit(1)
+    if first:
+        # The Process object keeps its arguments while it runs: take the task out of them, so that
+        # what the task lets go of (a namespace, shared tensors) is really freed.
+        job = list(first)
+        first.clear()
+        handle = job[2]
+        job[2] = handle.open() if handle is not None else None
+        del handle
+        _run_task(ctx, job)
+        _leave(conn)
+    conn.send(("ready", info))
+    if config.remote:
+        threading.Thread(target=_watchdog, args=(ctx,), name="gpumagic-watchdog", daemon=True).start()
+    incoming = None
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if msg[0] in ("stop", "kill"):
+            break
+        if msg[0] != "run":
+            continue
+        if incoming is None:
+            from .bulk import Incoming
+            incoming = Incoming()
+        _run_task(ctx, [msg[1], msg[2], incoming.receive(conn, msg[3])])
+        del msg
+    _leave(conn)
+
+
+def _prepare_process(config: WorkerConfig) -> None:
+    if config.method == "forkserver":
+        die_with_parent(os.getppid())   # the server: if it goes, so does this worker
+        watch_kernel()                   # and the kernel, whose death the server survives
+    else:
+        die_with_parent(config.parent_pid)
+    try:
+        os.setpgid(0, 0)  # its own group: stopping it also stops any DataLoader workers it starts
+    except OSError:
+        logger.debug("could not lead a process group", exc_info=True)
+    if config.environ is not None and dict(os.environ) != config.environ:
+        os.environ.clear()
+        os.environ.update(config.environ)
+    os.environ.update(config.env)
+    # The kernel decides when to stop; a terminal's Ctrl-C reaches it, not every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if config.method == "fork":
+        _detach_display()
+
+
+def _detach_display() -> None:
+    """In a forked worker, ``display()`` prints (forwarded) instead of using the kernel's sockets.
+
+    The kernel's ZeroMQ sockets are not fork-safe: a child sending on them
+    could corrupt the notebook's output channel.
+    """
+    module = sys.modules.get("IPython.core.interactiveshell")
+    if module is None or not module.InteractiveShell.initialized():
+        return
+    publisher = getattr(module.InteractiveShell.instance(), "display_pub", None)
+    if publisher is None:
+        return
+
+    def publish(data, metadata=None, *args, **kwargs):
+        text = data.get("text/plain") if isinstance(data, dict) else None
+        if text:
+            print(text)
+
+    publisher.publish = publish
+    publisher.clear_output = lambda *args, **kwargs: None
+
+
+def _start_up(config: WorkerConfig) -> dict:
+    import socket
+
+    import torch
+    device = config.device
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "device": device, "torch": torch.__version__,
+            "pgid": os.getpgrp()}
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if config.bind_cpus:
+            _bind_to_gpu_cpus(index)
+        torch.cuda.set_device(index)
+        info["device_name"] = torch.cuda.get_device_name(index)
+    else:
+        info["device_name"] = device
+    if config.backend:
+        _join_process_group(config)
+    for module in config.preload:
+        importlib.import_module(module)
+    # Everything imported so far lives as long as the worker: keep the garbage collector from
+    # walking it again and again during training steps.
+    gc.collect()
+    gc.freeze()
+    return info
+
+
+def _join_process_group(config: WorkerConfig) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    addr, port = config.rendezvous or ("127.0.0.1", 0)
+    store = dist.TCPStore(addr, port, config.world_size + 1, False, timeout=datetime.timedelta(seconds=120))
+    kwargs = {}
+    nccl = config.device.startswith("cuda") and config.backend == "nccl"
+    if nccl:
+        kwargs["device_id"] = torch.device(config.device)
+    timeout = datetime.timedelta(seconds=config.timeout)
+    try:
+        dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.world_size,
+                                timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    except TypeError:  # a torch without device_id
+        dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.world_size,
+                                timeout=timeout)
+    # A first collective connects every pair now rather than in the user's first step.
+    if nccl:
+        t = torch.ones(1, device=config.device)
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+
+
+def _bind_to_gpu_cpus(index: int) -> None:
+    """Run on the CPU cores near the GPU (its NUMA node), as NVIDIA's launchers do."""
+    try:
+        from ..devices import nvml, visible_gpus
+        gpus = visible_gpus()
+        if index >= len(gpus) or gpus[index].handle is None:
+            return
+        words = ((os.cpu_count() or 1) + 63) // 64
+        mask = nvml.lib().nvmlDeviceGetCpuAffinity(gpus[index].handle, words)
+    except Exception:  # a speed-up only: without NVML's answer the rank runs where it may
+        logger.debug("no CPU affinity for cuda:%s", index, exc_info=True)
+        return
+    cpus = {w * 64 + b for w, bits in enumerate(mask) for b in range(64) if bits >> b & 1}
+    allowed = os.sched_getaffinity(0)
+    mine = cpus & allowed
+    # Only a plausible NUMA share: a virtual machine may report a mask that means nothing.
+    enough = max(4, len(allowed) // (2 * max(1, len(gpus))))
+    if len(mine) >= enough and mine != allowed:
+        os.sched_setaffinity(0, mine)
+
+
+_tasks: dict = {}
+
+
+def _task_function(name: str):
+    fn = _tasks.get(name)
+    if fn is None:
+        module, _, attr = name.partition(":")
+        fn = _tasks[name] = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+def _run_task(ctx: WorkerContext, job: list) -> None:
+    """Run ``job`` (``[task, meta, data]``, emptied here) with the rank's output forwarded; reports
+    its result or its exception."""
+    task, meta, data = job
+    job.clear()
+    forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
+    real_out, real_err = sys.stdout, sys.stderr
+    sys.stdout = ForwardedStream(ctx, "stdout", forward)
+    sys.stderr = ForwardedStream(ctx, "stderr", forward)
+    ctx.in_task = True
+    try:
+        result = _task_function(task)(ctx, meta, data)
+        payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+        del result, meta, data
+        ctx.in_task = False
+        ctx._send_result(payload, buffer)
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel
+        ctx.in_task = False
+        ctx._send(("error", exception_info(ctx.rank, exc)))
+    finally:
+        ctx.in_task = False
+        sys.stdout, sys.stderr = real_out, real_err
+        # The cell's namespace, its wrappers and their buffers are cycles (and may hold CUDA IPC
+        # handles): free them now, while the kernel reads the results, not at some later step.
+        gc.collect()
+
+
+def _watchdog(ctx: WorkerContext) -> None:
+    """A rank on another machine cannot be signalled from the kernel: while a task runs the kernel
+    sends nothing, so anything arriving (a kill, or the connection closing) means stop now,
+    even when the main thread is stuck in a collective."""
+    while True:
+        time.sleep(0.2)
+        try:
+            if ctx.in_task and ctx.conn.poll(0):
+                os._exit(1)
+        except (OSError, EOFError, ValueError):
+            os._exit(1)
+
+
+def _leave(conn) -> None:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving anyway: the process group dies with the process
+        logger.debug("destroy_process_group failed", exc_info=True)
+    try:
+        conn.close()
+    except OSError:
+        logger.debug("the pipe was already closed", exc_info=True)
+    os._exit(0)  # skip interpreter teardown: CUDA/NCCL destructors can hang at exit

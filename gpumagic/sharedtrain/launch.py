@@ -1,0 +1,327 @@
+"""Hogwild: several processes train one model in shared memory, without locks.
+
+:func:`train_shared` runs a cell as the body of each worker's training
+function, as PyTorch's ``mnist_hogwild`` example does by hand:
+
+* the model's parameters and buffers are moved into shared memory once
+  (in place, so the notebook's ``model`` *is* the trained model afterwards);
+* every worker runs the cell with ``rank``, ``world_size`` and ``report``
+  defined, and with one thread (``torch.set_num_threads(1)``): the
+  parallelism is the processes, so threads inside them would only
+  oversubscribe the cores;
+* DataLoaders the cell reads from the notebook (itself, or through the
+  notebook functions it calls) are split by sample, so workers see
+  different samples;
+* tensors already in shared memory (or on a GPU) stay shared; everything
+  else a worker sees is its own copy. That one rule decides optimizers: a
+  notebook optimizer becomes a per-worker copy (same class, hyperparameters
+  and state as in the notebook) stepping the shared parameters, and one
+  whose state tensors were put in shared memory (``SharedAdam``-style) is
+  shared. Per-worker copies are Hogwild's usual choice: Adam's moments
+  updated by several processes without locks would be a race on every
+  element, and each worker's moments describe its own gradient stream.
+
+Workers are gpumagic's process layer (:mod:`gpumagic.procs`): they start with
+``fork`` where that is safe, otherwise from the kept fork server or with
+``spawn`` (:func:`.plan.choose_method`). Fresh workers get the notebook values
+through :mod:`gpumagic.procs.wire`: the shared tensors by torch's reducers,
+the others' bytes once in anonymous shared memory that every worker maps (a
+notebook tensor over 1 MiB, a dataset, is mapped rather than copied into
+each; the notebook's own tensor is never touched). What runs in a worker is
+:mod:`.worker`.
+
+In a notebook the magic is the way in::
+
+    %%sharedtrain --nprocs 4
+    for data, target in train_loader:
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(data), target)
+        loss.backward()
+        optimizer.step()
+        report(loss=loss)
+
+From plain Python::
+
+    result = train_shared(namespace, cell_source, nprocs=4)
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..cell.compile import compile_cell, compile_plain, is_empty
+from ..cell.names import names_assigned, names_tree, notebook_names, used_names
+from ..cell.values import find_loaders, find_modules, find_optimizers
+from ..errors import usage_error
+from ..procs import forkserver
+from ..procs.failures import primary_error
+from ..procs.group import WorkerGroup
+from ..procs.output import RankOutput
+from ..procs.seeding import draw_seed
+from ..procs.start import import_lazily_imported
+from ..procs.teardown import no_interrupts
+from ..procs.worker import WorkerConfig
+from .plan import FORKSERVER_PRELOAD, check_nprocs, choose_method, loader_shardable, resolve_device
+from .results import History, SharedTrainResult, WorkerStats
+from .sharing import match_optimizer_devices, share_modules, travels_shared
+from .worker import TASK
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["train_shared"]
+
+PROGRESS_INTERVAL = 0.5    # seconds between progress callbacks in the kernel
+EXIT_GRACE = 10.0          # seconds a worker that finished the cell may take to exit
+
+
+class _Run:
+    """The kernel's side of one run: turns workers' messages into the result's counters and history."""
+
+    def __init__(self, result: SharedTrainResult, progress, output):
+        self.result = result
+        self.progress = progress
+        self.own_output = RankOutput(prefix=True) if output is None else None
+        self.output = output or self.own_output.write  # type: ignore[union-attr]
+        self.last_progress = 0.0
+
+    def on_message(self, rank: int, message) -> None:
+        stats = self.result.workers[rank]
+        if message[0] == "tick":
+            _, steps, samples, first, now, entries = message
+            stats.steps, stats.samples, stats.last_time = steps, samples, now
+            if first is not None:
+                stats.first_step = first
+            if stats.state == "starting":
+                stats.state = "running"
+            if entries:
+                stats.reports += len(entries)
+                stats.last.update({k: v for k, v in entries[-1].items() if k not in ("step", "time")})
+                self.result.history.extend(rank, entries)
+        elif message[0] == "done":
+            stats.state = "done"
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self.last_progress >= PROGRESS_INTERVAL):
+            self.last_progress = now
+            try:
+                self.progress(self.result)
+            except Exception:  # a display problem must not stop training
+                logger.debug("the progress display failed", exc_info=True)
+
+
+def _shell_and_ns(target):
+    if isinstance(target, dict):
+        return None, target
+    ns = getattr(target, "user_ns", None)
+    if ns is None:
+        raise TypeError("train_shared needs an IPython shell or a namespace dict")
+    return target, ns
+
+
+def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tuple[str, list[str]]:
+    """Move the model (if asked) and put it in shared memory: the notebook changes from here on."""
+    notes: list[str] = []
+    if move:
+        for module in modules.values():
+            module.to(torch.device(device_name))
+        for optimizer in optimizers.values():
+            match_optimizer_devices(optimizer)
+    strategy = share_modules(modules, notes)
+    for name, optimizer in optimizers.items():
+        tensors = [v for s in optimizer.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if tensors and not device_name.startswith("cuda") and all(travels_shared(v) for v in tensors):
+            notes.append(f"{name!r}: its state is in shared memory, so all workers update one state")
+        else:
+            notes.append(f"{name!r}: each worker steps its own copy ({type(optimizer).__name__}, state as in the "
+                         "notebook) over the shared weights; the notebook's optimizer is left as it was")
+    return strategy, notes
+
+
+def _ship(method: str, ns: dict, used: list, loaders: dict, compiled):
+    """What the workers get: the namespace itself under fork, else the packed values.
+
+    Returns ``(meta, data, outgoing)``; ``outgoing`` (the shared memory, or None) is closed
+    by the caller once every worker has started.
+    """
+    if method == "fork":
+        return {"namespace": ns, "code": compile(compiled.tree, compiled.filename, "exec")}, None, None
+    from ..procs.bulk import Outgoing
+    from ..procs.wire import Unshippable, pack_namespace
+    values = {n: ns[n] for n in used}
+    for name in loaders:
+        # Loaders travel without a running iterator (persistent workers cannot be pickled).
+        values[name] = copy.copy(ns[name])
+        values[name]._iterator = None
+    outgoing = Outgoing(shared=True)
+    try:
+        packed, _ = pack_namespace(values, ns, droppable=set(names_assigned(compiled.tree)), share=travels_shared,
+                                   fingerprint=False, scratch=outgoing, sources={compiled.filename: compiled.source})
+    except Unshippable as exc:
+        outgoing.close()
+        name, value, error = exc.problems[0]
+        raise usage_error(f"{name!r} ({type(value).__name__}) cannot be sent to spawned workers "
+                          f"({type(error).__name__}: {error}); create it inside the cell, or use "
+                          "--start-method fork") from None
+    meta = {"header": packed.header, "shared": packed.shared, "tree": compiled.tree, "filename": compiled.filename}
+    return meta, outgoing.handle(packed.data()), outgoing
+
+
+def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | None = None,
+                 device: str | None = None, start_method: str | None = None, seed: int | None = None,
+                 header: str = "%%sharedtrain", progress: Callable | None = None,
+                 output: Callable | None = None) -> SharedTrainResult:
+    """Run ``cell`` in ``nprocs`` processes that train the notebook's model in shared memory.
+
+    Parameters
+    ----------
+    target : InteractiveShell or dict
+        The shell (its ``user_ns`` is the notebook) or a namespace dict.
+    cell : str
+        The body of each worker's training function; ``rank``, ``world_size``
+        and ``report(**values)`` are defined in it.
+    nprocs : int, optional
+        Worker processes; default one per physical core.
+    model : str, optional
+        The notebook name of the module to share; default the modules the cell uses.
+    device : str, optional
+        ``cpu`` or ``cuda:N``; the shared model moves there (CUDA workers use
+        CUDA IPC and start from a fork server or with spawn). Default: where the model is.
+    start_method : {"fork", "spawn", "forkserver"}, optional
+        Default fork where safe, else forkserver on Linux and spawn elsewhere.
+    seed : int, optional
+        Worker ``rank`` seeds torch, random and numpy with ``seed + rank``;
+        loaders shuffle with ``seed``. Default: drawn from the notebook's torch generator.
+    progress : callable, optional
+        Called with the :class:`~.results.SharedTrainResult` about twice a second while workers run.
+    output : callable, optional
+        ``output(rank, stream, text)`` for what workers print; default prints
+        it here with a ``[rank r]`` prefix.
+
+    Returns
+    -------
+    SharedTrainResult
+        On a worker error or an interrupt the exception (``WorkerError`` or
+        ``KeyboardInterrupt``) carries the partial result as ``.result``.
+
+    Examples
+    --------
+    ::
+
+        result = train_shared(get_ipython(), "for x, y in loader:\\n    ...", nprocs=2)
+        result.history.series("loss")
+    """
+    __tracebackhide__ = True
+    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions
+
+    started = time.monotonic()
+    shell, ns = _shell_and_ns(target)
+    if is_empty(cell):
+        raise usage_error("the cell is empty: write the training loop each worker runs")
+    nprocs, crowded = check_nprocs(nprocs)
+    compiled = compile_cell(shell, cell, header=header) if shell is not None else \
+        compile_plain(cell, header, label="sharedtrain")
+    used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
+    probe = names_tree(used)
+    modules = find_modules(probe, ns, [model] if model else None)
+    device_name, move = resolve_device(device, modules)
+    method, reason, fork_server = choose_method(start_method, device_name, nprocs)
+    if fork_server == "now":
+        forkserver.start_in_background(list(FORKSERVER_PRELOAD))
+    notes: list[str] = []
+    if crowded:
+        from ..display import note
+        note(crowded)
+        notes.append(crowded)
+    loaders = {name: loader_shardable(loader) for name, loader in find_loaders(probe, ns).items()}
+    for name, why in loaders.items():
+        if why is not None:
+            notes.append(f"{name!r} cannot be sharded ({why}): every worker reads all of it, with its random "
+                         "generators seeded per rank (seed + rank)")
+    optimizers = find_optimizers(probe, ns, modules)
+
+    strategy, sharing_notes = _share(modules, optimizers, device_name, move)
+    notes += sharing_notes
+    seed = draw_seed() if seed is None else int(seed)
+    meta, data, outgoing = _ship(method, ns, used, loaders, compiled)
+    meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
+                 "set_device_name": device is not None, "loaders": loaders, "optimizers": list(optimizers)})
+    result = SharedTrainResult(modules=modules, nprocs=nprocs, start_method=method, start_reason=reason,
+                               device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),
+                               workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
+    try:
+        _run_workers(result, meta, data, outgoing, progress, output)
+    finally:
+        if fork_server == "after":
+            forkserver.start_in_background(list(FORKSERVER_PRELOAD))
+    return result
+
+
+def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress, output) -> None:
+    """Start the workers, hear from them until each is done, and end them, whatever happens."""
+    method, nprocs, started = meta["method"], result.nprocs, meta["t0"]
+    configs = [WorkerConfig(rank=r, world_size=nprocs, device=result.device, method=method,
+                            parent_pid=os.getpid(), threads=1,
+                            environ=dict(os.environ) if method == "forkserver" else None)
+               for r in range(nprocs)]
+    group = WorkerGroup([result.device] * nprocs, name="sharedtrain")
+    run = _Run(result, progress, output)
+    try:
+        server_before = None
+        if method == "forkserver":
+            import multiprocessing
+            server_before = forkserver.prepare(multiprocessing.get_context("forkserver"), list(FORKSERVER_PRELOAD))
+        group.start(method, configs, first=[TASK, meta, data])
+        for stats, r in zip(result.workers, group.ranks):
+            stats.pid = r.pid
+        if outgoing is not None:
+            outgoing.close()   # every worker has its own descriptor now
+            outgoing = None
+        if method == "forkserver":
+            forkserver.adopt(server_before)
+        elif method == "fork":
+            import_lazily_imported()
+        run.tick(force=True)
+        _, errors, _ = group.collect(on_output=run.output, on_message=run.on_message, on_tick=run.tick)
+        if errors:
+            for rank in errors:
+                result.workers[rank].state = "failed"
+            raise primary_error(errors)
+        result.status = "done"
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        # A fresh one: the notebook need not see where the kernel happened to be waiting.
+        interrupt = KeyboardInterrupt()
+        interrupt.result = result  # type: ignore[attr-defined]
+        raise interrupt from None
+    except BaseException as exc:
+        result.status = "failed"
+        exc.result = result  # type: ignore[attr-defined]
+        raise
+    finally:
+        with no_interrupts():
+            _end(group, result, outgoing, run, started)
+
+
+def _end(group: WorkerGroup, result: SharedTrainResult, outgoing, run: _Run, started: float) -> None:
+    for stats in result.workers:
+        if stats.state in ("starting", "running"):
+            stats.state = "stopped"
+    codes = group.end(wait=EXIT_GRACE if result.status == "done" else 0.0)
+    for code, stats in zip(codes, result.workers):
+        if stats.exitcode is None:
+            stats.exitcode = code
+    if outgoing is not None:
+        outgoing.close()
+    if result.device.startswith("cuda"):
+        torch.cuda.ipc_collect()
+    result.seconds = time.monotonic() - started
+    if run.own_output is not None:
+        run.own_output.flush()
+    run.tick(force=True)

@@ -1,0 +1,104 @@
+"""What a ``%%sharedtrain`` cell will do, decided before anything changes in the notebook.
+
+How many workers, on which device, started how, and which loaders can be
+split by sample. Bad input raises ``UsageError`` naming what would work.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..errors import UsageError, usage_error
+from ..procs import forkserver
+from ..procs.cpus import physical_cores, usable_cpus
+from ..procs.start import choose_start_method
+
+__all__ = ["check_nprocs", "resolve_device", "loader_shardable", "choose_method", "FORKSERVER_PRELOAD"]
+
+# What the fork server imports once for every later cell's workers: torch, the worker's side, and
+# what a first optimizer call imports.
+FORKSERVER_PRELOAD = ("gpumagic.procs.worker", "gpumagic.sharedtrain.worker", "torch._dynamo")
+
+
+def check_nprocs(nprocs) -> tuple[int, str | None]:
+    """``(nprocs, warning)``: one worker per physical core by default; a warning above the core count."""
+    cores = usable_cpus()
+    if nprocs is None:
+        return physical_cores(), None
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise usage_error(f"--nprocs must be a positive number of processes, not {nprocs!r}",
+                          sorted({1, physical_cores(), cores}))
+    if nprocs > cores:
+        return nprocs, (f"Warning: {nprocs} processes on {cores} CPU core(s): workers will compete for cores; "
+                        f"--nprocs {physical_cores()} matches this machine")
+    return nprocs, None
+
+
+def _hogwild_devices() -> list[str]:
+    from ..devices import available_devices
+    return [d for d in available_devices() if d == "cpu" or d.startswith("cuda")]
+
+
+def resolve_device(spec, modules: dict) -> tuple[str, bool]:
+    """The device the shared model lives on, and whether it has to move there."""
+    from ..devices import parse_device
+    tensors = [t for m in modules.values() for t in itertools.chain(m.parameters(), m.buffers())]
+    here = sorted({_device_name(t.device) for t in tensors})
+    if spec is not None:
+        try:
+            device = parse_device(spec)
+        except UsageError as exc:  # name the devices Hogwild can use, not every device
+            raise usage_error(str(exc).split("; valid choices")[0], _hogwild_devices()) from None
+        if device != "cpu" and not device.startswith("cuda"):
+            raise usage_error(f"--device {device}: Hogwild shares memory on the CPU or a CUDA GPU",
+                              _hogwild_devices())
+        return device, here != [device]
+    if not here:
+        return "cpu", False
+    if len(here) > 1:
+        raise usage_error(f"the model's tensors are on several devices ({', '.join(here)}); "
+                          "choose one with --device", _hogwild_devices())
+    device = here[0]
+    if device != "cpu" and not device.startswith("cuda"):
+        raise usage_error(f"the model is on {device}; Hogwild shares memory on the CPU or a CUDA GPU, "
+                          "choose one with --device", _hogwild_devices())
+    return device, False
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
+
+
+def loader_shardable(loader: DataLoader) -> str | None:
+    """``None`` when ``loader`` can be sharded by sample, else the reason it cannot."""
+    if isinstance(loader.dataset, IterableDataset):
+        return "it reads an IterableDataset"
+    if loader.batch_sampler is None:
+        return "it has batch_size=None"
+    try:
+        len(loader.batch_sampler)
+    except TypeError:
+        return "its sampler has no length"
+    return None
+
+
+def choose_method(requested: str | None, device: str, nprocs: int) -> tuple[str, str, str | None]:
+    """``(method, reason, fork_server)``: how workers start, and when to start the fork server.
+
+    Where the fork server would be best but is not running yet, this cell's
+    workers spawn (sooner than waiting for the server to import torch) and
+    ``fork_server`` says to start it ``"now"`` (a core is free for it) or
+    ``"after"`` the cell; otherwise it is None.
+    """
+    from ..devices import torch_cuda_initialized
+    method, reason = choose_start_method(requested, device)
+    if method == "fork" and requested == "fork" and torch_cuda_initialized():
+        reason = "requested; CUDA is initialised in this kernel, so workers must not touch CUDA"
+    if method != "forkserver" or requested is not None or forkserver.running():
+        return method, reason, None
+    reason += "; it is not running yet, so this cell's workers start with spawn meanwhile"
+    return "spawn", reason, "now" if usable_cpus() > nprocs else "after"

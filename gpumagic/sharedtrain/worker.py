@@ -1,0 +1,199 @@
+"""Inside a ``%%sharedtrain`` worker: the cell as the body of its training function.
+
+:func:`train` is the task each worker runs (through the :mod:`gpumagic.procs.worker`
+loop): it takes the notebook values (inherited under fork, unpacked from
+:mod:`gpumagic.procs.wire` otherwise, the model's tensors shared), splits the
+notebook's DataLoaders by sample so workers see different samples, seeds the
+worker with ``seed + rank``, gives the cell ``rank``, ``world_size`` and
+``report``, and runs it. A :class:`Channel` sends step counts and reports to
+the kernel in batches.
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import builtins
+import gc
+import numbers
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..procs.loaders import shard_loader
+from ..procs.seeding import seed_all
+from .sharing import match_optimizer_devices, private_state
+
+__all__ = ["train", "TASK", "Channel", "LARGE_TENSOR"]
+
+TASK = "gpumagic.sharedtrain.worker:train"
+FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
+LARGE_TENSOR = 1 << 20     # bytes: larger notebook tensors are mapped by every worker, not copied into each
+_READ_LATER = ("cuda",)    # devices whose reported tensors are read when sent, not when reported
+
+
+class Channel:
+    """A worker's line to the kernel: counters and reports, sent in batches through ``send``."""
+
+    def __init__(self, send, t0: float):
+        self._send, self.t0 = send, t0
+        self.steps = self.samples = self.reports = 0
+        self.counting = False
+        self.first: float | None = None
+        self.buffer: list = []
+        self.last_flush = 0.0
+
+    def step(self, batch) -> None:
+        self.steps += 1
+        self.samples += _batch_len(batch)
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now - self.t0
+            self.flush(now)
+        elif now - self.last_flush >= FLUSH_INTERVAL:
+            self.flush(now)
+
+    def report(self, step=None, **values) -> None:
+        """Send ``values`` (numbers, strings, lists of them, 0-d tensors) to the notebook."""
+        entry = {k: _plain(k, v, defer=True) for k, v in values.items()}
+        self.reports += 1
+        now = time.monotonic()
+        if step is None:
+            step = self.steps if self.counting else self.reports
+        self.buffer.append({"step": _plain("step", step), "time": now - self.t0, **entry})
+        if self.first is None and not self.counting:
+            self.first = now - self.t0
+        if now - self.last_flush >= FLUSH_INTERVAL:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.last_flush = now
+        entries, self.buffer = self.buffer, []
+        _resolve(entries)
+        steps = self.steps if self.counting else self.reports
+        self._send(("tick", steps, self.samples, self.first, now - self.t0, entries))
+
+
+def _plain(key, value, defer: bool = False):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if defer and value.device.type in _READ_LATER:
+            # Reading a GPU value waits for the GPU: a copy taken now (queued, not waited for) is
+            # read when the reports are sent, so report(loss=loss) every step does not stall each step.
+            return value.clone()
+        return value.item() if value.numel() == 1 else value.cpu().tolist()
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars and arrays
+        return value.item() if getattr(value, "size", 2) == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(key, v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(key, v) for k, v in value.items()}
+    if isinstance(value, numbers.Number):
+        return float(value)  # type: ignore[arg-type]
+    raise TypeError(f"report({key}=...) takes numbers, strings, tensors or lists of them, "
+                    f"not {type(value).__name__}")
+
+
+def _resolve(entries: list) -> None:
+    """Turn the GPU tensors ``report()`` kept into numbers and lists, in place."""
+    for entry in entries:
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                entry[key] = _plain(key, value)
+
+
+def _batch_len(batch) -> int:
+    for _ in range(4):
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        else:
+            break
+    try:
+        return len(batch)
+    except TypeError:
+        return 1
+
+
+class _CountingLoader(DataLoader):
+    """A DataLoader that tells its worker's channel about every batch it yields."""
+
+    _channel: Channel | None = None
+
+    def __iter__(self):
+        channel = self._channel
+        for batch in super().__iter__():
+            if channel is not None:
+                channel.step(batch)
+            yield batch
+
+
+def _prepare_loader(loader, rank: int, world: int, seed: int, reason: str | None, channel: Channel):
+    if reason is None:
+        loader = shard_loader(loader, rank, world, split="dataset", seed=seed)
+    else:
+        import copy
+        loader = copy.copy(loader)
+    try:
+        loader.__class__ = _CountingLoader
+    except TypeError:
+        return loader  # a DataLoader subclass with its own layout: no step counts, training is unaffected
+    loader._channel = channel
+    channel.counting = True
+    return loader
+
+
+def _no_shell():
+    raise RuntimeError("IPython magics and !commands cannot run inside %%sharedtrain workers; "
+                       "run them in a cell of their own")
+
+
+def _namespace(meta: dict, data) -> tuple[dict, object]:
+    """The cell's namespace and code: inherited under fork, unpacked otherwise."""
+    if meta["method"] == "fork":
+        return meta["namespace"], meta["code"]
+    from ..procs.wire import unpack_namespace
+    ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR,
+                             shared=meta["shared"])
+    ns.update({"__name__": "__main__", "__builtins__": builtins})
+    ns.setdefault("get_ipython", _no_shell)
+    return ns, compile(meta["tree"], meta["filename"], "exec")
+
+
+def train(ctx, meta: dict, data) -> None:
+    """Run the cell as worker ``ctx.rank`` of ``ctx.world_size`` (the task of every Hogwild worker)."""
+    rank, world = ctx.rank, ctx.world_size
+    channel = Channel(ctx.send, meta["t0"])
+    ns, code = _namespace(meta, data)
+    del data
+    seed_all(meta["seed"] + rank)
+    on_gpu = meta["device"].startswith("cuda")
+    for name, reason in meta["loaders"].items():
+        if isinstance(ns.get(name), DataLoader):
+            ns[name] = _prepare_loader(ns[name], rank, world, meta["seed"], reason, channel)
+    for name in meta["optimizers"]:
+        if isinstance(ns.get(name), torch.optim.Optimizer):
+            match_optimizer_devices(ns[name])
+            if on_gpu:
+                private_state(ns[name])  # CUDA tensors always arrive shared; an optimizer's state must not
+    ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
+    if meta["set_device_name"]:
+        ns["device"] = torch.device(meta["device"])
+    try:
+        exec(code, ns)
+        if on_gpu:
+            torch.cuda.synchronize()
+    finally:
+        channel.flush()
+        # Let go of the namespace (and the CUDA IPC handles of shared tensors) before saying done.
+        ns.clear()
+        meta.clear()
+        del ns, code
+        gc.collect()
+    ctx.send(("done",))
