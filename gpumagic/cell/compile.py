@@ -18,6 +18,7 @@ import itertools
 import linecache
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import CodeType
 
 __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty"]
 
@@ -25,8 +26,8 @@ __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "reg
 @dataclass
 class CompiledCell:
     """A cell compiled in two parts: statements, then the last expression's value."""
-    body: object               # code object run with exec
-    last_expr: object | None   # code object for eval, or None when the cell ends in a statement
+    body: CodeType             # code object run with exec
+    last_expr: CodeType | None  # code object for eval, or None when the cell ends in a statement
     filename: str              # the name tracebacks show as ``Cell In[n]``
     tree: ast.Module           # the final AST, after every transformer
     source: str = ""           # the cell as the notebook shows it, the magic's line included
@@ -112,7 +113,7 @@ def compile_plain(cell: str, header: str = "", label: str = "cell") -> CompiledC
     body_nodes = list(tree.body)
     last_expr = None
     if body_nodes and isinstance(body_nodes[-1], ast.Expr):
-        last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")
+        last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")  # type: ignore[attr-defined]
     body = compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
     return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree, source=source)
 

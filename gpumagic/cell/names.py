@@ -203,9 +203,9 @@ def _block(stmts, bound: set, reads: dict) -> None:
 
 def loop_targets(tree: ast.AST) -> list[str]:
     """Names bound by ``for`` and ``with ... as`` (batches, files): not worth a note when left behind."""
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(tree):
-        targets = []
+        targets: list = []
         if isinstance(node, (ast.For, ast.AsyncFor)):
             targets = [node.target]
         elif isinstance(node, (ast.With, ast.AsyncWith)):

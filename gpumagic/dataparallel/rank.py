@@ -80,7 +80,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         for p in module.parameters():
             p.grad = None
     keys = store.rebuild(_trained_tensors(tensors, inner, opts))
-    payload = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
+    payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
     buffer = None
     if ctx.rank == 0:
         state = _rank0_state(ns, meta, inner, opts, value)
@@ -105,7 +105,7 @@ def _prepare_namespace(ns: dict, meta: dict, device) -> None:
 
 def _wrap_modules(ns: dict, meta: dict, device) -> dict:
     """Modules on the rank's device, wrapped in DDP, the cell's name bound to the wrapper."""
-    ddp_kwargs = {"gradient_as_bucket_view": True,
+    ddp_kwargs: dict = {"gradient_as_bucket_view": True,
                   "static_graph": bool(meta["ddp"]["static_graph"]),
                   "find_unused_parameters": bool(meta["ddp"]["find_unused"])}
     if meta["ddp"]["bucket_mb"]:
@@ -126,8 +126,9 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
 def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict) -> None:
     for name in meta["loaders"]:
         sharded = shard_loader(ns[name], rank, world, split="batch", seed=meta["seed"])
-        sharded.batch_sampler.__class__ = _counting_sampler_class(type(sharded.batch_sampler))
-        sharded.batch_sampler._gpumagic_stats = stats
+        sampler = sharded.batch_sampler
+        sampler.__class__ = _counting_sampler_class(type(sampler))
+        sampler._gpumagic_stats = stats  # type: ignore[union-attr]
         ns[name] = sharded
 
 

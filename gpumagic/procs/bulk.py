@@ -111,7 +111,7 @@ class Outgoing:
         if ref is None:
             return
         if ref[0] == "shm":
-            if new_fd:
+            if new_fd and self._fd is not None:
                 reduction.send_handle(conn, self._fd, destination_pid)
                 self._peers_have[peer] = self.gen
             return

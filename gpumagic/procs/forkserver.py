@@ -28,7 +28,7 @@ _ours: int | None = None   # the pid of the server gpumagic started
 
 
 def _server():
-    return _mp_forkserver._forkserver  # type: ignore[attr-defined]
+    return _mp_forkserver._forkserver
 
 
 def _pid() -> int | None:

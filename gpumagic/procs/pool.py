@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 import weakref
+from typing import Any
 
 from .. import session
 from .cpus import usable_cpus
@@ -73,8 +74,8 @@ class WorkerPool(WorkerGroup):
         self.tasks_run = 0
         self.held: set = set()          # fingerprint keys every worker holds (see .tensor_cache)
         self.state = "new"              # new | running | stopped | dead
-        self._store = None
-        self._outgoing = None
+        self._store: Any = None      # the rendezvous (a torch.distributed.TCPStore) while running
+        self._outgoing: Any = None   # the kernel's bulk buffer, made on first use
         self._lock = threading.Lock()
         self._busy = False
 

@@ -43,7 +43,7 @@ LAZILY_IMPORTED = ("torch._dynamo",)
 
 
 def _thread_packages(thread: threading.Thread) -> set:
-    mods = {type(thread).__module__}
+    mods: set[str | None] = {type(thread).__module__}
     target = getattr(thread, "_target", None)
     if target is not None:
         mods.add(getattr(target, "__module__", None))

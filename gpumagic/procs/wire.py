@@ -65,7 +65,7 @@ _unpacking = threading.local()   # the tensors and device of the unpack in progr
 class Unshippable(ValueError):
     """Notebook values that cannot be pickled for a worker: ``problems`` lists ``(name, value, error)``."""
 
-    def __init__(self, problems: list[tuple[str, object, BaseException]]):
+    def __init__(self, problems: list[tuple[str, object, Exception]]):
         self.problems = problems
         super().__init__("; ".join(f"{name} ({type(value).__name__}: {error})" for name, value, error in problems))
 

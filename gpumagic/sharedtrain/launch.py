@@ -124,6 +124,16 @@ def _shell_and_ns(target):
     return target, ns
 
 
+def _loaders(probe, ns: dict, notes: list[str]) -> dict:
+    """The notebook DataLoaders the cell uses: name -> None (split by sample) or why it cannot be."""
+    loaders = {name: loader_shardable(loader) for name, loader in find_loaders(probe, ns).items()}
+    for name, why in loaders.items():
+        if why is not None:
+            notes.append(f"{name!r} cannot be sharded ({why}): every worker reads all of it, with its random "
+                         "generators seeded per rank (seed + rank)")
+    return loaders
+
+
 def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tuple[str, list[str]]:
     """Move the model (if asked) and put it in shared memory: the notebook changes from here on."""
     notes: list[str] = []
@@ -234,16 +244,11 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     method, reason, fork_server = choose_method(start_method, device_name, nprocs)
     if fork_server == "now":
         forkserver.start_in_background(list(FORKSERVER_PRELOAD))
-    notes: list[str] = []
+    notes = [crowded] if crowded else []
     if crowded:
         from ..display import note
         note(crowded)
-        notes.append(crowded)
-    loaders = {name: loader_shardable(loader) for name, loader in find_loaders(probe, ns).items()}
-    for name, why in loaders.items():
-        if why is not None:
-            notes.append(f"{name!r} cannot be sharded ({why}): every worker reads all of it, with its random "
-                         "generators seeded per rank (seed + rank)")
+    loaders = _loaders(probe, ns, notes)
     optimizers = find_optimizers(probe, ns, modules)
 
     strategy, sharing_notes = _share(modules, optimizers, device_name, move)

@@ -80,7 +80,7 @@ def loader_shardable(loader: DataLoader) -> str | None:
     if loader.batch_sampler is None:
         return "it has batch_size=None"
     try:
-        len(loader.batch_sampler)
+        len(loader.batch_sampler)  # type: ignore[arg-type]
     except TypeError:
         return "its sampler has no length"
     return None

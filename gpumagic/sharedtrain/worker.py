@@ -16,6 +16,7 @@ import builtins
 import gc
 import numbers
 import time
+from types import CodeType
 
 import torch
 from torch.utils.data import DataLoader
@@ -154,7 +155,7 @@ def _no_shell():
                        "run them in a cell of their own")
 
 
-def _namespace(meta: dict, data) -> tuple[dict, object]:
+def _namespace(meta: dict, data) -> tuple[dict, CodeType]:
     """The cell's namespace and code: inherited under fork, unpacked otherwise."""
     if meta["method"] == "fork":
         return meta["namespace"], meta["code"]
