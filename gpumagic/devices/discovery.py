@@ -4,7 +4,8 @@ GPUs are listed through NVML and numbered the way torch numbers them: NVML's
 own order is PCI order, torch's follows ``CUDA_DEVICE_ORDER`` and
 ``CUDA_VISIBLE_DEVICES`` (integers, UUIDs or their prefixes, MIG ids), so GPUs
 are matched by UUID and PCI bus id, never by index. Once the user has
-initialised CUDA, torch's own UUIDs settle the mapping exactly.
+initialised CUDA, torch's own UUIDs settle the mapping exactly. What
+``%gpuinfo`` shows about each device is :mod:`.facts`.
 
 Nothing here imports IPython's shell or creates a CUDA context.
 """

@@ -34,8 +34,8 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     >>> [d["device"] for d in report["devices"]]     # doctest: +SKIP
     ['cpu', 'cuda:0', 'cuda:1']
     """
-    system = system_facts()
     gpus = visible_gpus()
+    system = system_facts()
     found: list[dict] = []
     notes: list[str] = []
     if not nvml.available():

@@ -209,7 +209,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
     In a notebook::
 
         x = torch.zeros(1024, 1024, device="cuda:0")
-        from gpumagic.devices.memory import variable_memory
+        from gpumagic.devices.variables import variable_memory
         variable_memory(globals())["x"].nbytes
         4194304
     """

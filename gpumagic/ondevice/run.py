@@ -25,12 +25,14 @@ import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import devices
 from ..cell.compile import compile_cell, is_empty, run_compiled
 from ..cell.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
 from ..errors import usage_error
 from .moves import Moved, apply_moves, move_note, plan_moves
+from .streams import SideStream, side_stream
 
 __all__ = ["OnDeviceOptions", "OnDeviceResult", "Moved", "run_on_device", "resolve_device",
            "plan_moves", "apply_moves"]
@@ -205,10 +207,9 @@ class _CellScope:
         self.state.restore()
 
 
-def _enter_side_stream(target, compiled, namespace: dict):
-    """``--stream``: make a side stream current (:mod:`.streams`); returns ``(context, info)`` to exit later."""
+def _enter_side_stream(target, compiled, namespace: dict) -> tuple[Any, SideStream]:
+    """``--stream``: make a side stream current (:mod:`.streams`); returns the context to exit, and its info."""
     from ..cell.names import names_read
-    from .streams import side_stream
     used = [namespace[n] for n in names_read(compiled.tree) if n in namespace]
     context = side_stream(target, namespace, also=used)
     return context, context.__enter__()
@@ -267,7 +268,10 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             from .timing import CellTimer
             timer = CellTimer(target)
             timer.start()
-        stream = _enter_side_stream(target, compiled, namespace) if options.stream and target.type == "cuda" else None
+        stream: Any = None
+        streamed: SideStream | None = None
+        if options.stream and target.type == "cuda":
+            stream, streamed = _enter_side_stream(target, compiled, namespace)
         try:
             # Run here, not in a helper: each frame of ours would add to IPython's "skipping hidden" count.
             try:
@@ -275,12 +279,12 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             except BaseException as exc:
                 exc.__traceback__ = _user_traceback(exc.__traceback__)
                 raise exc
-            if stream is not None:
-                stream[1].extra.append(result.value)
+            if streamed is not None:
+                streamed.extra.append(result.value)
         finally:
-            if stream is not None:
-                stream[0].__exit__(None, None, None)
-                result.recorded = stream[1].recorded
+            if streamed is not None:
+                stream.__exit__(None, None, None)
+                result.recorded = streamed.recorded
         result.ran = True
         if timer is not None:
             result.timing = timer.stop()
