@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,11 +22,8 @@ from IPython.core.error import UsageError
 
 from gpumagic.errors import WorkerError
 from gpumagic.procs import forkserver
-from gpumagic.procs.start import choose_start_method
-from gpumagic.sharedtrain import worker as sharedtrain_worker
-from gpumagic.sharedtrain.results import History, SharedTrainResult, WorkerStats
-from gpumagic.sharedtrain.sharing import plan_sharing
 from tests.conftest import ROOT, run_cell
+from tests.test_sharedtrain_display import plot_svg
 
 SETUP = """
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -228,7 +224,8 @@ def test_fresh_workers_run_notebook_classes_and_copy_the_optimizer(shell, method
     ns = shell.user_ns
     model, weight, loss = ns["model"], ns["model"].fc1.weight.detach().clone(), ns["fixed_loss"]()
     cell = TRAIN.format(method=method).replace("F.cross_entropy(model(x), y)", "step_loss(x, y)")
-    cell += "big.add_(1)  # a worker's own change: never the notebook's\nprint('big', big[:3].tolist(), big.is_shared())\n"
+    cell += ("big.add_(1)  # a worker's own change: never the notebook's\n"
+             "print('big', big[:3].tolist(), big.is_shared())\n")
     result, out, _ = run_cell(shell, cell)
     assert result.error_in_exec is None, out
     trained = _check_trained(shell, model, weight, loss, method)
@@ -337,25 +334,6 @@ def test_forked_workers_of_later_cells_inherit_what_a_first_step_imports():
     assert "cell 2 fork done [True, True]" in out.stdout, out.stdout + out.stderr
 
 
-def test_gpu_values_reported_are_read_when_sent(monkeypatch):
-    # report() keeps a copy of a CUDA tensor and reads it at the next send (no wait for the GPU
-    # every step); CPU tensors become numbers at once.
-    sent = []
-    channel = sharedtrain_worker.Channel(sent.append, t0=time.monotonic())
-    channel.report(loss=torch.tensor(0.5), ids=torch.arange(3), note="x")
-    entry = channel.buffer[-1] if channel.buffer else sent[-1][5][-1]
-    assert entry["loss"] == 0.5 and entry["ids"] == [0, 1, 2] and entry["note"] == "x"
-    entries = [{"step": 1, "time": 0.0, "loss": torch.tensor([1.5, 2.5]), "one": torch.tensor([4.0])}]
-    sharedtrain_worker._resolve(entries)
-    assert entries == [{"step": 1, "time": 0.0, "loss": [1.5, 2.5], "one": 4.0}]
-    # Without a GPU here, stand in the meta device for CUDA: a copy is kept, not the tensor itself.
-    monkeypatch.setattr(sharedtrain_worker, "_READ_LATER", ("meta",))
-    meta = torch.ones((), device="meta")
-    kept = sharedtrain_worker._plain("loss", meta, defer=True)
-    assert isinstance(kept, torch.Tensor) and kept is not meta and kept.device.type == "meta"
-    channel.last_flush = time.monotonic() + 3600  # nothing is sent (and read) during this check
-    channel.report(loss=meta)
-    assert isinstance(channel.buffer[-1]["loss"], torch.Tensor)
 
 
 # --------------------------------------------------------------------------- endings
@@ -534,110 +512,14 @@ model(torch.ones(1, 2))
 
 # --------------------------------------------------------------------------- decisions
 
-class _FakeThread:
-    def __init__(self, name, target=None, cls_module="threading"):
-        self.name, self._target = name, target
-        self.__class__ = type("Thread", (_FakeThread,), {"__module__": cls_module})
-
-    def is_alive(self):
-        return True
 
 
-def test_start_method_is_fork_only_where_safe():
-    from IPython.core.history import HistorySavingThread
-    safe = [_FakeThread("IPythonHistorySavingThread", cls_module=HistorySavingThread.__module__),
-            _FakeThread("Heartbeat", cls_module="ipykernel.heartbeat")]
-    assert choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
-    user = safe + [_FakeThread("Thread-9 (poll)", target=_helper_pids)]
-    # Where fork is unsafe on Linux, a fork server with torch imported starts the workers.
-    method, why = choose_start_method(None, "cpu", False, user, "linux")
-    assert method == "forkserver" and "'Thread-9 (poll)'" in why and "fork server" in why
-    assert choose_start_method(None, "cpu", True, safe, "linux")[0] == "forkserver"
-    method, why = choose_start_method(None, "cuda:0", False, safe, "linux")
-    assert method == "forkserver" and "cuda:0" in why
-    assert choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
-    assert choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
-    assert choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
-    with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; valid choices: spawn"):
-        choose_start_method("fork", "cuda:1", True, safe, "linux")
 
 
-def test_sharing_plan_follows_the_open_file_limit():
-    assert plan_sharing(100, 20, 1024, 4096) == ("file_descriptor", None, None)
-    strategy, soft, note = plan_sharing(2000, 20, 1024, 1 << 20)
-    assert strategy == "file_descriptor" and soft == 2 * (2000 + 20 + 64) and "1024" in note
-    strategy, soft, note = plan_sharing(2000, 20, 1024, 1500)
-    assert strategy == "file_system" and soft is None and "ulimit -n" in note
-    assert plan_sharing(10 ** 6, 20, 1024, 1500, strategy="file_system") == ("file_system", None, None)
 
 
-LOW_LIMIT_SCRIPT = """
-import os, resource, torch
-from gpumagic.sharedtrain.launch import train_shared
-resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
-model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)])   # 80 storages
-before = model[-1].bias.detach().clone()
-ns = {"torch": torch, "model": model}
-result = train_shared(ns, '''
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(5):
-    opt.zero_grad(); model(torch.ones(2, 4)).pow(2).sum().backward(); opt.step()
-''', nprocs=2, start_method="fork", seed=0)
-print("strategy", result.sharing_strategy, result.status)
-print("changed", not torch.equal(before, model[-1].bias.detach()))
-print("note", result.notes[0])
-print("pid", os.getpid())
-"""
 
 
-def test_low_open_file_limit_switches_to_file_system_sharing():
-    out = subprocess.run([sys.executable, "-c", LOW_LIMIT_SCRIPT], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "strategy file_system done" in out.stdout and "changed True" in out.stdout
-    assert "too low to share 80 tensors by file descriptor" in out.stdout
-    pid = out.stdout.rsplit("pid ", 1)[1].strip()
-    deadline = time.monotonic() + 5  # torch_shm_manager removes the files once the process is gone
-    while any(n.startswith(f"torch_{pid}_") for n in os.listdir("/dev/shm")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(n.startswith(f"torch_{pid}_") for n in os.listdir("/dev/shm"))
-
-
-def test_history_and_summary_rendering():
-    from gpumagic.sharedtrain.display import render_summary, sparkline
-    history = History(2)
-    history.extend(0, [{"step": 1, "time": 0.1, "loss": 2.0}, {"step": 2, "time": 0.3, "loss": 1.0}])
-    history.extend(1, [{"step": 1, "time": 0.2, "loss": 3.0, "acc": 0.5}])
-    assert history.keys() == ["loss", "acc"]
-    assert history.series("loss") == [[(1, 2.0), (2, 1.0)], [(1, 3.0)]]
-    assert history.last("acc") == [None, 0.5]
-    assert [r["rank"] for r in history.rows()] == [0, 1, 0]
-    assert repr(history) == "History(2 workers; reports per rank: 2, 1; keys: loss, acc)"
-    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
-    assert sparkline([1.0] * 100, width=10) == "▁" * 10
-    stats = [WorkerStats(rank=r, pid=100 + r, steps=2, samples=64, first_step=0.1, last_time=0.5,
-                                 last={"loss": 1.0}, state="done") for r in range(2)]
-    result = SharedTrainResult(modules={"net": torch.nn.Linear(1, 1)}, nprocs=2, start_method="fork",
-                                       start_reason="safe", device="cpu", seed=0,
-                                       sharing_strategy="file_descriptor", history=history, workers=stats,
-                                       seconds=0.6, status="done", notes=["a note"])
-    view = render_summary(result)
-    assert "2 workers (fork) on cpu trained 'net': 4 steps, 128 samples in 0.6 s; 320 samples/s" in view.text
-    assert "loss rank 0: ▅▁  2 -> 1" in view.text and "loss rank 1: █  3 -> 3" in view.text and "  a note" in view.text
-    svg = _plot_svg(view.html_text)
-    assert svg.startswith("<svg xmlns='http://www.w3.org/2000/svg'") and svg.count("<polyline") == 2
-    assert "<svg" not in view.html_text  # an image, which a stored (untrusted) notebook still shows
-    import xml.etree.ElementTree as ET
-    tree = ET.fromstring(svg)  # an image must be well-formed XML, or the browser shows nothing
-    assert len(tree.findall("{http://www.w3.org/2000/svg}polyline")) == 2
-
-
-def _plot_svg(html_text: str) -> str:
-    """The loss plot's SVG, from the data: URL of its <img>."""
-    import base64
-    found = re.search(r"<img src='data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)'", html_text)
-    assert found, html_text[-500:]
-    return base64.b64decode(found.group(1)).decode()
 
 
 def test_notebook_shows_live_progress_then_the_summary_in_one_display(shell):
@@ -658,5 +540,5 @@ for i in range(12):
     assert "<table>" in htmls[0] and ("starting" in htmls[0] or "running" in htmls[0])
     # 12 reports per worker count as its steps when the cell reads no notebook loader.
     assert "trained &#x27;model&#x27;: 24 steps" in htmls[-1] and "rank 1" in htmls[-1]
-    assert _plot_svg(htmls[-1]).count("<polyline") == 2
+    assert plot_svg(htmls[-1]).count("<polyline") == 2
     assert "sharedtrain: " not in out  # no text summary printed besides the display

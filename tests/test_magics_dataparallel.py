@@ -7,7 +7,6 @@ run last and start fresh ones.
 from __future__ import annotations
 
 import _thread
-import ast
 import copy
 import os
 import signal
@@ -23,14 +22,11 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.cell.names import used_names
-from gpumagic.dataparallel.dp import ModelCallRewriter
-from gpumagic.dataparallel.plan import POOL_NAME, make_plan
+from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
 from gpumagic.procs import pool as poolmod
 from gpumagic.procs import remote
-from gpumagic.procs import tensor_cache, wire
 from gpumagic.procs.loaders import shard_loader
 from tests.conftest import ROOT, run_cell
 from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
@@ -97,25 +93,8 @@ def _stop_pool_after_module():
 
 # ---------------------------------------------------------------- plans and bad input (no processes)
 
-def test_plan_picks_cpu_processes_without_gpus():
-    plan = make_plan(nprocs=3, gpus=[])
-    assert (plan.strategy, plan.devices, plan.backend) == ("ddp", ["cpu"] * 3, "gloo")
-    assert make_plan(gpus=[]).devices == ["cpu", "cpu"]
-    assert make_plan(strategy="dp", gpus=[]).devices == ["cpu"]
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    (dict(nprocs=0), "--nprocs 1"),
-    (dict(devices="tpu"), "valid choices: cpu"),
-    (dict(devices="cuda:3"), "cpu"),
-    (dict(backend="nccl"), "gloo"),
-    (dict(strategy="horovod"), "ddp, dp"),
-    (dict(devices="cpu", nprocs=2, timeout=-1), "positive"),
-])
-def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
-    with pytest.raises(UsageError) as err:
-        make_plan(gpus=[], **kwargs)
-    assert says in str(err.value)
 
 
 def test_magic_bad_input_raises_usage_error_before_any_process(shell):
@@ -139,114 +118,20 @@ def test_magic_bad_input_raises_usage_error_before_any_process(shell):
         shell.run_line_magic("dataparallel", "restart")
 
 
-def test_used_names_follow_notebook_functions():
-    ns = {"__name__": "__main__"}
-    exec("def step():\n    return model(x)\nmodel = 1\nx = 2\n", ns)
-    assert used_names(ast.parse("step()"), ns) == ["step", "model", "x"]
 
 
-def test_free_reads_skip_names_the_cell_binds_first():
-    from gpumagic.cell.names import free_reads
-    src = ("it = iter(loader)\n"
-           "for i in range(n):\n"
-           "    if i == 2:\n"
-           "        t0 = clock()\n"
-           "    x, y = next(it)\n"
-           "    out = model(x)\n"
-           "    seen.append(t0)\n"
-           "total += 1\n")
-    assert free_reads(ast.parse(src)) == ["iter", "loader", "range", "n", "clock", "next", "model", "seen",
-                                          "t0", "total"]
 
 
-def test_cuda_spellings_mean_the_rank_gpu():
-    from gpumagic.dataparallel.wrapping import RankDevice
-    src = ("a = x.cuda(0)\nb = torch.device('cuda', 0)\nc = torch.zeros(2, device='cuda:0')\n"
-           "torch.cuda.set_device(0)\ne = torch.ones(1, device=0)\nf = f'cuda:0 {x}'\ng = x.cuda()\n")
-    assert ast.unparse(RankDevice(1).visit(ast.parse(src))) == (
-        "a = x.cuda(1)\nb = torch.device('cuda', 1)\nc = torch.zeros(2, device='cuda:1')\n"
-        "torch.cuda.set_device(1)\ne = torch.ones(1, device=1)\nf = f'cuda:0 {x}'\ng = x.cuda()")
 
 
-def test_model_calls_rewritten_for_dp():
-    tree = ModelCallRewriter({"model"}).visit(ast.parse("y = model(x, k=1)\nz = other(x)\nm = model.fc(x)"))
-    assert ast.unparse(tree) == "y = __gpumagic_dp__(model, x, k=1)\nz = other(x)\nm = model.fc(x)"
 
 
-def test_ship_round_trip_keeps_identity_devices_and_attributes():
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    m(torch.randn(5, 4)).sum().backward()
-    opt.step()
-    m[0].weight.tag = "kept"
-    obj = {"m": m, "opt": opt, "dev": torch.device("cuda:1"), "t": torch.arange(6).view(2, 3).t()}
-    packed = wire.pack(obj)
-    back, tensors = wire.unpack(packed.header, packed.buffer, device="cpu")
-    assert back["dev"] == torch.device("cpu")          # a CUDA device means the rank's device
-    assert torch.equal(back["t"], obj["t"]) and back["m"][0].weight.tag == "kept"
-    assert back["opt"].param_groups[0]["params"][0] is back["m"][0].weight   # shared objects stay shared
-    assert torch.equal(back["opt"].state[back["m"][0].weight]["momentum_buffer"],
-                       opt.state[m[0].weight]["momentum_buffer"])
-    assert back["m"][0].weight.requires_grad and isinstance(back["m"][0].weight, torch.nn.Parameter)
 
 
-def test_ship_cache_is_keyed_by_content():
-    big = torch.randn(300_000)                      # 1.2 MB: fingerprinted
-    store = tensor_cache.TensorStore()
-    first = wire.pack({"a": big, "b": big.clone()})
-    _, tensors = wire.unpack(first.header, first.buffer, store=store)
-    held = store.rebuild(tensors)
-    assert len(held) == 1                           # equal contents, one key
-    again = wire.pack({"a": big, "b": big.clone()}, held=held)
-    assert again.shipped_bytes == 0 and again.cached_bytes == 2 * big.numel() * 4
-    back, _ = wire.unpack(again.header, again.buffer, store=store)
-    assert torch.equal(back["a"], big) and back["a"].data_ptr() != back["b"].data_ptr()  # no aliasing
-    big[17] += 1.0                                  # any change: shipped again
-    assert wire.pack({"a": big}, held=held).cached_bytes == 0
-    swapped = big.clone().view(-1, 1000).flip(0).reshape(-1)  # same values, other places
-    assert tensor_cache.fingerprint_keys([swapped]) != tensor_cache.fingerprint_keys([big])
 
 
-def test_bulk_bytes_go_through_anonymous_shared_memory():
-    import multiprocessing
-
-    from gpumagic.procs.bulk import Incoming, Outgoing
-    a, b = multiprocessing.Pipe()
-    out, inc = Outgoing(), Incoming()
-    before = set(os.listdir("/dev/shm"))
-    sent = []
-    for size in (1000, 800, 5_000_000):          # the last one grows the buffer: a new descriptor
-        data = out.get(size)
-        data.copy_(torch.arange(size) % 251)
-        ref, new = out.reference(data, peer="p", can_share=True)
-        sent.append(new)
-        a.send(ref)
-        out.send(a, ref, new, data, "p", os.getpid())
-        got = inc.receive(b, b.recv())
-        assert torch.equal(got, (torch.arange(size) % 251).to(torch.uint8))
-    assert sent == [True, False, True] and ref[0] == "shm"
-    ref, _ = out.reference(out.get(10), peer="far", can_share=False)   # a remote peer: bytes
-    a.send(ref)
-    out.send(a, ref, False, out.get(10), "far", 0)
-    assert ref == ("bytes", 10) and torch.equal(inc.receive(b, b.recv()), out.get(10))
-    # memfd: nothing with a name (other programs may come and go in /dev/shm meanwhile)
-    assert not [f for f in set(os.listdir("/dev/shm")) - before if "gpumagic" in f]
-    assert any("memfd:gpumagic-bulk" in line for line in open("/proc/self/maps"))
 
 
-def test_progress_prints_per_rank_lines_in_a_terminal():
-    import io
-
-    from gpumagic.dataparallel.progress import Progress
-    out = io.StringIO()
-    progress = Progress(["cpu", "cpu"], shell=None, after=0.0, every=10.0, stream=out)
-    progress.update(0, {"steps": 10, "samples": 160, "seconds": 2.0})
-    progress.update(1, {"steps": 10, "samples": 160, "seconds": 2.0})
-    progress.tick()
-    progress.tick()                                 # not again before `every` seconds
-    assert out.getvalue().count("\n") == 1
-    assert "rank 0: 10 steps, 80 samples/s" in out.getvalue() and "rank 1: 10 steps" in out.getvalue()
-    assert "80" in progress.render().text and "<table>" in progress.render().html_text
 
 
 # ---------------------------------------------------------------- the flagship path, for real
@@ -348,7 +233,8 @@ def test_pool_is_reused_and_output_streams(shell):
     assert shell.user_ns["names"][:2] == ["hidden.weight", "hidden.bias"] and shell.user_ns["sub"] == "Linear"
     assert "out" in result.not_returned and "out" not in shell.user_ns  # a tensor output stays in the workers
 
-    _, cap = dp_cell(shell, CPU2 + " --all-output", "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")
+    _, cap = dp_cell(shell, CPU2 + " --all-output",
+                     "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")
     assert "[rank 0] hi 0" in cap.stdout and "[rank 1] hi 1" in cap.stdout
 
 

@@ -138,7 +138,7 @@ def test_turned_off_workers_write_no_bytecode(shell, bytecode_off, monkeypatch):
 
 
 def pool_task(ctx, meta, data):
-    """Run on each rank of a WorkerPool (named ``tests.test_fresh:pool_task``)."""
+    """Run on each rank of a WorkerPool (named ``tests.test_procs_bytecode:pool_task``)."""
     return {"prefix": sys.pycache_prefix, "off": sys.dont_write_bytecode}
 
 
@@ -146,7 +146,7 @@ def test_dataparallel_ranks_keep_bytecode_too(bytecode_off):
     from gpumagic.procs.pool import WorkerPool
     pool = WorkerPool(["cpu", "cpu"], None).start()
     try:
-        results = pool.run("tests.test_fresh:pool_task")
+        results = pool.run("tests.test_procs_bytecode:pool_task")
     finally:
         pool.stop()
     assert [r for r, _ in results] == [{"prefix": str(bytecode_off), "off": False}] * 2

@@ -1,0 +1,57 @@
+"""Bulk bytes through anonymous shared memory (gpumagic.procs.bulk)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def test_bulk_bytes_go_through_anonymous_shared_memory():
+    import multiprocessing
+
+    from gpumagic.procs.bulk import Incoming, Outgoing
+    a, b = multiprocessing.Pipe()
+    out, inc = Outgoing(), Incoming()
+    before = set(os.listdir("/dev/shm"))
+    sent = []
+    for size in (1000, 800, 5_000_000):          # the last one grows the buffer: a new descriptor
+        data = out.get(size)
+        data.copy_(torch.arange(size) % 251)
+        ref, new = out.reference(data, peer="p", can_share=True)
+        sent.append(new)
+        a.send(ref)
+        out.send(a, ref, new, data, "p", os.getpid())
+        got = inc.receive(b, b.recv())
+        assert torch.equal(got, (torch.arange(size) % 251).to(torch.uint8))
+    assert sent == [True, False, True] and ref[0] == "shm"
+    ref, _ = out.reference(out.get(10), peer="far", can_share=False)   # a remote peer: bytes
+    a.send(ref)
+    out.send(a, ref, False, out.get(10), "far", 0)
+    assert ref == ("bytes", 10) and torch.equal(inc.receive(b, b.recv()), out.get(10))
+    # memfd: nothing with a name (other programs may come and go in /dev/shm meanwhile)
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if "gpumagic" in f]
+    assert any("memfd:gpumagic-bulk" in line for line in open("/proc/self/maps"))
+
+
+def _read_handle(handle, queue):
+    data = handle.open()
+    queue.put((bytes(data.numpy()), data.is_shared()))
+
+
+def test_bulk_bytes_reach_a_process_as_it_starts():
+    import multiprocessing
+
+    import torch
+
+    from gpumagic.procs.bulk import Outgoing
+    out = Outgoing()
+    data = out.get(6)
+    data.copy_(torch.frombuffer(bytearray(b"weight"), dtype=torch.uint8))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_read_handle, args=(out.handle(data), queue))
+    p.start()
+    out.close()                                  # the child has its own descriptor
+    assert queue.get(timeout=60) == (b"weight", True)   # mapped shared memory, as torch's own
+    p.join(10)
+    assert p.exitcode == 0

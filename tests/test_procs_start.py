@@ -1,0 +1,40 @@
+"""Choosing how workers start (gpumagic.procs.start): fork only where it is safe; starting them cleanly."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from gpumagic.procs.start import choose_start_method
+
+
+def _poll():
+    """A thread target from outside the kernel's own packages."""
+
+
+class _FakeThread:
+    def __init__(self, name, target=None, cls_module="threading"):
+        self.name, self._target = name, target
+        self.__class__ = type("Thread", (_FakeThread,), {"__module__": cls_module})
+
+    def is_alive(self):
+        return True
+
+
+def test_start_method_is_fork_only_where_safe():
+    from IPython.core.history import HistorySavingThread
+    safe = [_FakeThread("IPythonHistorySavingThread", cls_module=HistorySavingThread.__module__),
+            _FakeThread("Heartbeat", cls_module="ipykernel.heartbeat")]
+    assert choose_start_method(None, "cpu", False, safe, "linux")[0] == "fork"
+    user = safe + [_FakeThread("Thread-9 (poll)", target=_poll)]
+    # Where fork is unsafe on Linux, a fork server with torch imported starts the workers.
+    method, why = choose_start_method(None, "cpu", False, user, "linux")
+    assert method == "forkserver" and "'Thread-9 (poll)'" in why and "fork server" in why
+    assert choose_start_method(None, "cpu", True, safe, "linux")[0] == "forkserver"
+    method, why = choose_start_method(None, "cuda:0", False, safe, "linux")
+    assert method == "forkserver" and "cuda:0" in why
+    assert choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
+    assert choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
+    assert choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
+    with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; "
+                                         "valid choices: spawn"):
+        choose_start_method("fork", "cuda:1", True, safe, "linux")
