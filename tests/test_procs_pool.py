@@ -1,0 +1,111 @@
+"""The persistent pool (gpumagic.procs.pool): spawned ranks in a gloo process group, tasks, and what
+a failure leaves: a symmetric error keeps the pool, anything else ends it."""
+from __future__ import annotations
+
+import os
+import socket
+
+import psutil
+import pytest
+import torch
+
+from gpumagic.errors import WorkerDied, WorkerError
+from gpumagic.procs.pool import WorkerPool
+
+THIS = "tests.test_procs_pool"
+
+
+def all_reduce_task(ctx, meta, data):
+    import torch.distributed as dist
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    received = None if data is None else data.clone()
+    out = ctx.outgoing.get(4)
+    out.copy_(torch.tensor([ctx.rank] * 4, dtype=torch.uint8))
+    return {"sum": t.item(), "received": received, "pid": os.getpid()}, out
+
+
+def raise_everywhere(ctx, meta, data):
+    raise KeyError("same on every rank")
+
+
+def raise_on_rank_1(ctx, meta, data):
+    import torch.distributed as dist
+    if ctx.rank == 1:
+        raise RuntimeError("only rank 1")
+    dist.barrier()   # rank 0 would wait here forever: the pool must not be reused
+
+
+def die_on_rank_0(ctx, meta, data):
+    if ctx.rank == 0:
+        os._exit(7)
+    return "survived"
+
+
+@pytest.fixture
+def pool():
+    pool = WorkerPool(["cpu", "cpu"], "gloo", name="test", start_timeout=120).start()
+    yield pool
+    pool.kill()
+
+
+def _alive(pid) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_tasks_run_in_a_process_group_and_bulk_bytes_travel_both_ways(pool):
+    data = pool.outgoing.get(3)
+    data.copy_(torch.tensor([7, 8, 9], dtype=torch.uint8))
+    results = pool.run(f"{THIS}:all_reduce_task", data=data)
+    assert [p["sum"] for p, _ in results] == [3.0, 3.0]                     # 1 + 2 through gloo
+    assert all(p["received"].tolist() == [7, 8, 9] for p, _ in results)
+    assert [back.tolist() for _, back in results] == [[0] * 4, [1] * 4]    # each rank's own buffer
+    assert [p["pid"] for p, _ in results] == pool.pids
+    status = pool.status()
+    assert status["state"] == "running" and status["tasks_run"] == 1 and status["backend"] == "gloo"
+    assert status["rendezvous"].startswith("127.0.0.1:")
+    # The rendezvous listens on loopback only.
+    port = int(status["rendezvous"].rsplit(":", 1)[1])
+    listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
+    assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+
+
+def test_the_same_error_on_every_rank_keeps_the_pool(pool):
+    with pytest.raises(WorkerError) as err:
+        pool.run(f"{THIS}:raise_everywhere")
+    assert err.value.exc_type == "KeyError" and err.value.rank == 0 and err.value.all_errors.keys() == {0, 1}
+    assert pool.alive
+    assert [p["sum"] for p, _ in pool.run(f"{THIS}:all_reduce_task")] == [3.0, 3.0]
+
+
+def test_an_error_on_one_rank_ends_the_pool(pool):
+    pids = list(pool.pids)
+    with pytest.raises(WorkerError) as err:
+        pool.run(f"{THIS}:raise_on_rank_1")
+    assert err.value.rank == 1 and err.value.message == "only rank 1"
+    assert not pool.alive and pool.state == "dead" and not any(_alive(p) for p in pids)
+    with pytest.raises(WorkerDied, match="not running"):
+        pool.run(f"{THIS}:all_reduce_task")
+
+
+def test_a_rank_that_dies_ends_the_pool(pool):
+    pids = list(pool.pids)
+    with pytest.raises(WorkerDied) as err:
+        pool.run(f"{THIS}:die_on_rank_0")
+    assert err.value.rank == 0 and err.value.message == "the worker exited with code 7"
+    assert pool.state == "dead" and not any(_alive(p) for p in pids)
+
+
+def test_stop_asks_the_ranks_to_leave_and_closes_the_rendezvous(pool):
+    pids = list(pool.pids)
+    port = int(pool.status()["rendezvous"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass                        # listening while the pool runs
+    pool.stop()
+    assert pool.state == "stopped" and not any(_alive(p) for p in pids)
+    assert [r.exitcode for r in pool.ranks] == [0, 0]      # they left by themselves
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
