@@ -16,7 +16,7 @@ def _cuda_count() -> int:
     try:
         from gpumagic.devices import visible_gpus
         return len(visible_gpus())
-    except Exception:
+    except Exception:  # noqa: BLE001 - no NVML, no driver: no GPU tests
         return 0
 
 
@@ -29,6 +29,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "gpu2" in item.keywords and count < 2:
             item.add_marker(skip_gpu2)
+    # GPU tests initialise CUDA in this process: run them after every test that checks that gpumagic
+    # itself never does (the order is otherwise pytest's, file by file).
+    items.sort(key=lambda item: any(item.get_closest_marker(m) for m in ("gpu", "cuda_if_present")))
 
 
 @pytest.fixture(scope="session")

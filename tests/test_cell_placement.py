@@ -297,6 +297,7 @@ def test_names_not_torch_are_left_alone():
     assert "zeros(2)" in rewritten("zeros = lambda n: n\nzeros(2)", {})
 
 
+@pytest.mark.cuda_if_present
 def test_functions_from_a_cell_pass_through_afterwards():
     src = "def make():\n    return torch.zeros(2)\ndef to_gpu(x):\n    return x.cuda()\n"
     tree, rewriter = rewrite_placement(ast.parse(src), {"torch": torch})

@@ -44,13 +44,13 @@ def test_bulk_bytes_reach_a_process_as_it_starts():
     import torch
 
     from gpumagic.procs.bulk import Outgoing
+    from gpumagic.procs.start import start_process
     out = Outgoing()
     data = out.get(6)
     data.copy_(torch.frombuffer(bytearray(b"weight"), dtype=torch.uint8))
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    p = ctx.Process(target=_read_handle, args=(out.handle(data), queue))
-    p.start()
+    p = start_process(ctx, _read_handle, (out.handle(data), queue), "bulk-reader")
     out.close()                                  # the child has its own descriptor
     assert queue.get(timeout=60) == (b"weight", True)   # mapped shared memory, as torch's own
     p.join(10)
