@@ -14,10 +14,12 @@ from __future__ import annotations
 import os as _os
 
 if _os.environ.get("GPUMAGIC_WORKER_PYCACHE"):
-    # A worker interpreter gpumagic started: keep bytecode where the kernel said, before anything
-    # imports torch (see procs/bytecode.py). Removed so the worker's environment is the notebook's.
-    from .procs.bytecode import keep_bytecode as _keep_bytecode
-    _keep_bytecode(_os.environ.pop("GPUMAGIC_WORKER_PYCACHE"))
+    # A worker interpreter gpumagic started: keep bytecode where the kernel said (see
+    # procs/bytecode.py), before anything else is imported, torch and the standard library's
+    # logging and subprocess included. Removed so the worker's environment is the notebook's.
+    import sys as _sys
+    _sys.pycache_prefix = _os.environ.pop("GPUMAGIC_WORKER_PYCACHE")
+    _sys.dont_write_bytecode = False
 
 __version__ = "0.1.0"
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "current_device", "set_current_device"]

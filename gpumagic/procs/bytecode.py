@@ -28,10 +28,10 @@ import sys
 logger = logging.getLogger(__name__)
 
 __all__ = ["SETTING", "WORKER_ENV", "worker_pycache", "bytecode_path", "warm_cache", "stop_warming",
-           "reap_warming", "keep_bytecode"]
+           "reap_warming"]
 
 SETTING = "GPUMAGIC_PYCACHE"            # the person's choice: a directory, or "off"
-WORKER_ENV = "GPUMAGIC_WORKER_PYCACHE"  # parent to worker: where to keep bytecode (read by gpumagic/__init__)
+WORKER_ENV = "GPUMAGIC_WORKER_PYCACHE"  # parent to worker: where to keep bytecode (gpumagic/__init__ applies it)
 _OFF = ("off", "0", "no", "false", "none")
 _CLOSER = "pycache-warm"
 
@@ -140,9 +140,3 @@ def reap_warming() -> None:
     """Reap the warming process if it has finished (called before fresh workers start)."""
     if _warming is not None and _warming.poll() is not None:
         stop_warming()
-
-
-def keep_bytecode(path: str) -> None:
-    """In a worker, before torch loads: read and write bytecode under ``path``."""
-    sys.pycache_prefix = path
-    sys.dont_write_bytecode = False

@@ -159,6 +159,11 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
         del handle
         _run_task(ctx, job)
         _leave(conn)
+    # Everything a persistent worker has imported lives as long as it does: keep the garbage
+    # collector from walking it again and again during training steps. (A one-task worker skips
+    # this: forked from a kernel, it would walk the whole notebook first.)
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", info))
     if config.remote:
         threading.Thread(target=_watchdog, args=(ctx,), name="gpumagic-watchdog", daemon=True).start()
@@ -244,10 +249,6 @@ def _start_up(config: WorkerConfig) -> dict:
         _join_process_group(config)
     for module in config.preload:
         importlib.import_module(module)
-    # Everything imported so far lives as long as the worker: keep the garbage collector from
-    # walking it again and again during training steps.
-    gc.collect()
-    gc.freeze()
     return info
 
 
