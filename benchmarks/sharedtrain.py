@@ -424,7 +424,7 @@ def main(argv=None) -> int:
         extra.append(f"- start-up in a fresh kernel per N, seconds from running the cell to the cell starting in the "
                      f"first worker / its first batch in any worker (first step) / every worker having taken its "
                      f"first optimizer step; a fresh Python takes {torch_s:.2f} s to import torch and "
-                     f"{worker_s:.2f} s to import what a worker needs; {bytecode}")
+                     f"{worker_s:.2f} s to import what a worker needs; {bytecode_note}")
     extra.append(f"- whole benchmark: {time.monotonic() - began:.0f} s")
     print(extra[-1][2:])
     if not args.no_record:
