@@ -273,7 +273,8 @@ def test_torch_cuda_calls_run_without_cuda(target):
 # -- hygiene -------------------------------------------------------------------------------
 
 def test_rewrite_keeps_line_numbers():
-    src = "import torch\n\nx = torch.zeros(2)\ny = (x.cuda()\n     .to('cuda'))\nz = torch.cuda.FloatTensor(\n    [1., 2.])\n"
+    src = ("import torch\n\nx = torch.zeros(2)\ny = (x.cuda()\n     .to('cuda'))\n"
+           "z = torch.cuda.FloatTensor(\n    [1., 2.])\n")
     tree, rewriter = rewrite_placement(ast.parse(src), {"torch": torch})
     assert rewriter.rewrites >= 4 and not rewriter.nested
     for node in ast.walk(tree):

@@ -145,13 +145,13 @@ def test_state_restored_after_failure_on_gpu(shell):
 def test_cpu_cell_does_not_initialise_cuda():
     """A fresh kernel with GPUs: a .cuda()-style cell on cpu leaves CUDA uninitialised."""
     code = (
-        "import sys; sys.path[:0] = [%r]\n"
+        "import sys; sys.path[:0] = [{!r}]\n"
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "sh = InteractiveShell.instance(); sh.run_line_magic('load_ext', 'gpumagic')\n"
-        "r = sh.run_cell(%r)\n"
+        "r = sh.run_cell({!r})\n"
         "import torch\n"
         "print('RESULT', r.error_in_exec is None, torch.cuda.is_initialized(), sh.user_ns['a'].device)\n"
-    ) % (ROOT, "%%ondevice cpu\n" + SEED + "a = torch.cuda.FloatTensor([1., 2.])\nb = sq.cuda()\n"
+    ).format(ROOT, "%%ondevice cpu\n" + SEED + "a = torch.cuda.FloatTensor([1., 2.])\nb = sq.cuda()\n"
          "torch.cuda.set_device(0)\ntorch.cuda.synchronize()\nn = torch.cuda.current_device()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "RESULT True False cpu" in proc.stdout, proc.stdout + proc.stderr
@@ -250,12 +250,12 @@ def test_stream_race_prevented(shell):
 @pytest.mark.timeout(600)
 def test_stream_race_prevented_with_eager_module_loading():
     code = (
-        "import json, sys; sys.path[:0] = [%r, %r]\n"
+        f"import json, sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}]\n"
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "sh = InteractiveShell.instance(); sh.run_line_magic('load_ext', 'gpumagic')\n"
         "import test_magics_ondevice_gpu as t\n"
         "print('RESULT ' + json.dumps(t.race_experiment(sh)))\n"
-    ) % (ROOT, TESTS)
+    )
     env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=540,
                           cwd=ROOT, env=env)

@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -109,10 +111,10 @@ class LabServer:
         env.pop("JUPYTER_TOKEN", None)
         return env
 
-    def start(self, timeout: float = 120.0) -> "LabServer":
+    def start(self, timeout: float = 120.0) -> LabServer:
         env = self._environ()
         self._log = open(self.log_path, "ab")
-        for attempt in range(3):  # a port found free can be taken before we bind it
+        for _attempt in range(3):  # a port found free can be taken before we bind it
             self.port = _free_port()
             cmd = [
                 sys.executable, "-m", "jupyterlab",
@@ -168,16 +170,15 @@ class LabServer:
         if proc is None:
             return
         try:
-            import psutil
             family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except Exception:
+        except psutil.Error:  # gone already: nothing to end by pid
             family = []
         if proc.poll() is None:
             try:
                 for kernel in self.api("GET", "/api/kernels", timeout=5) or []:
                     self.api("DELETE", f"/api/kernels/{kernel['id']}", timeout=30)
                 self.api("POST", "/api/shutdown", timeout=10)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a server that does not answer is stopped by signal
                 proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
@@ -189,8 +190,8 @@ class LabServer:
             try:
                 if p.is_running() and p.status() != "zombie":
                     p.kill()
-            except Exception:
-                pass
+            except psutil.Error:
+                pass  # it ended meanwhile
         if self._log is not None:
             self._log.flush()
 

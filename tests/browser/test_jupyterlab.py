@@ -26,7 +26,6 @@ import time
 import warnings
 
 import pytest
-
 from labharness import ARTIFACTS, ROOT, Browser, LabServer, missing_requirements
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -276,7 +275,7 @@ def _tour(lab, page):
     others = [d for d in devices if d != shown]
     if not others:
         warnings.warn(f"the device picker offers only {devices}: choosing another device in it "
-                      "could not be exercised on this machine")
+                      "could not be exercised on this machine", stacklevel=2)
     for chosen in others[:1] + ([shown] if others else []):
         picker.select_option(index=devices.index(chosen))
         # The choice travels to the kernel over the widget's comm: poll what the kernel says.
@@ -299,7 +298,8 @@ def _tour(lab, page):
     gauge.wait_for(state="visible")
     assert gauge.locator(".progress-bar").count() == 1
     before, caption_before = _wait_kernel_bytes(gauge, lambda v: v > 0)
-    _add_cell_and_run(page, f"import torch\nbig = torch.ones({BIG_MIB} * 2**20 // 4)  # {BIG_MIB} MiB, every page written")
+    _add_cell_and_run(page, f"import torch\nbig = torch.ones({BIG_MIB} * 2**20 // 4)"
+                            f"  # {BIG_MIB} MiB, every page written")
     grown, caption_grown = _wait_kernel_bytes(gauge, lambda v: v >= before + 0.8 * BIG_MIB * 2**20)
     _shot(page, "04_gauge_with_big_tensor")
     _add_cell_and_run(page, "del big")
