@@ -61,3 +61,28 @@ def run_cell(shell, source: str):
     with capture_output(display=True) as cap:
         result = shell.run_cell(source, store_history=True)
     return result, cap.stdout + cap.stderr, cap
+
+
+@pytest.fixture
+def no_cuda_init(monkeypatch):
+    """Fail the test if anything asks torch to initialise CUDA."""
+    import torch
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda *a, **k: calls.append(a))
+    yield calls
+    assert calls == []
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.fixture
+def messages(monkeypatch):
+    """Count the state messages each widget sends to the frontend (by model id)."""
+    from ipywidgets import Widget
+    sent: dict[str, int] = {}
+    original = Widget.send_state
+
+    def counting(self, key=None):
+        sent[self.model_id] = sent.get(self.model_id, 0) + 1
+        return original(self, key)
+    monkeypatch.setattr(Widget, "send_state", counting)
+    return sent

@@ -162,3 +162,28 @@ def fabric_machine():
     fake.nvmlDeviceGetP2PStatus = lambda a, b, index: 0 if index == 3 else 5
     fake.nvmlDeviceGetNumGpuCores = lambda h: 16896
     return fake
+
+
+GiB = 2**30
+NO_SUCH_PID = 4_194_400  # above Linux's largest pid_max, so no process has it
+
+
+def busy_four_gpu_machine() -> FakeNvml:
+    """Four fake GPUs; cuda:1 runs this process (3 GiB) and another live one."""
+    import os
+    fake = four_gpu_machine()
+    fake.gpus[1]["processes"] = [(os.getpid(), 3 * GiB), (os.getppid(), GiB)]
+    fake.gpus[2]["processes"] = [(os.getppid(), 2 * GiB)]
+    fake.gpus[3]["processes"] = [(NO_SUCH_PID, GiB)]
+    return fake
+
+
+def installed(fake, monkeypatch):
+    """Make every gpumagic query read ``fake``, numbered as without CUDA_VISIBLE_DEVICES (a generator
+    for a fixture: ``yield from installed(fake, monkeypatch)``)."""
+    from gpumagic.devices import nvml
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    nvml.use(fake)
+    yield fake
+    nvml.use(None)

@@ -6,17 +6,12 @@ from IPython.core.error import UsageError
 
 from gpumagic import devices, session
 from gpumagic.devices import nvml
-from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu
+from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu, installed
 
 
 @pytest.fixture
 def machine(monkeypatch):
-    fake = four_gpu_machine()
-    nvml.use(fake)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    yield fake
-    nvml.use(None)
+    yield from installed(four_gpu_machine(), monkeypatch)
     session.set_picked_device(None)
 
 

@@ -5,17 +5,12 @@ import pytest
 
 from gpumagic import devices
 from gpumagic.devices import nvml
-from tests.fake_nvml import fabric_machine, four_gpu_machine
+from tests.fake_nvml import fabric_machine, four_gpu_machine, installed
 
 
 @pytest.fixture
 def machine(monkeypatch):
-    fake = four_gpu_machine()
-    nvml.use(fake)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    yield fake
-    nvml.use(None)
+    yield from installed(four_gpu_machine(), monkeypatch)
 
 
 def test_facts_are_matched_by_uuid_and_unsupported_fields_are_none(machine):

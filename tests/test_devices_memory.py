@@ -5,38 +5,16 @@ import os
 
 import psutil
 import pytest
-import torch
 
 from gpumagic.devices import memory, nvml
-from tests.fake_nvml import FakeNvml, four_gpu_machine
+from tests.fake_nvml import FakeNvml, GiB, busy_four_gpu_machine, installed
 
-GiB = 2**30
 MiB = 2**20
-NO_SUCH_PID = 4_194_400  # above Linux's largest pid_max, so no process has it
 
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Four fake GPUs; cuda:1 runs this process (3 GiB) and another live one."""
-    fake = four_gpu_machine()
-    fake.gpus[1]["processes"] = [(os.getpid(), 3 * GiB), (os.getppid(), GiB)]
-    fake.gpus[2]["processes"] = [(os.getppid(), 2 * GiB)]
-    fake.gpus[3]["processes"] = [(NO_SUCH_PID, GiB)]
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    nvml.use(fake)
-    yield fake
-    nvml.use(None)
-
-
-@pytest.fixture
-def no_cuda_init(monkeypatch):
-    """Fail the test if anything asks torch to initialise CUDA."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda *a, **k: calls.append(a))
-    yield calls
-    assert calls == []
-    assert not torch.cuda.is_initialized()
+    yield from installed(busy_four_gpu_machine(), monkeypatch)
 
 
 def test_cpu_snapshot_matches_psutil():

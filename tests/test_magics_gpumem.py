@@ -1,43 +1,17 @@
 """%gpumem through a real InteractiveShell (terminal): tables, --vars, --free, bad input."""
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.devices import nvml
 from tests.conftest import run_cell
-from tests.fake_nvml import four_gpu_machine
-
-GiB = 2**30
-NO_SUCH_PID = 4_194_400  # above Linux's largest pid_max, so no process has it
+from tests.fake_nvml import busy_four_gpu_machine, installed
 
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Four fake GPUs; cuda:1 runs this process (3 GiB) and another live one."""
-    fake = four_gpu_machine()
-    fake.gpus[1]["processes"] = [(os.getpid(), 3 * GiB), (os.getppid(), GiB)]
-    fake.gpus[2]["processes"] = [(os.getppid(), 2 * GiB)]
-    fake.gpus[3]["processes"] = [(NO_SUCH_PID, GiB)]
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    nvml.use(fake)
-    yield fake
-    nvml.use(None)
-
-
-@pytest.fixture
-def no_cuda_init(monkeypatch):
-    """Fail the test if anything asks torch to initialise CUDA."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda *a, **k: calls.append(a))
-    yield calls
-    assert calls == []
-    assert not torch.cuda.is_initialized()
+    yield from installed(busy_four_gpu_machine(), monkeypatch)
 
 
 def test_gpumem_prints_a_table(shell, machine, no_cuda_init):

@@ -1,8 +1,6 @@
 """One memory gauge: colours by fullness, values shown, only changes sent, text fallback."""
 from __future__ import annotations
 
-import pytest
-from ipywidgets import Widget
 from ipywidgets.widgets.widget import _instances
 
 from gpumagic.widgets.gauge import MemoryGauge, bar_style_for
@@ -11,17 +9,6 @@ from tests.conftest import run_cell
 GiB = 2**30
 
 
-@pytest.fixture
-def messages(monkeypatch):
-    """Count state messages each widget sends to the frontend (by model id)."""
-    sent: dict[str, int] = {}
-    original = Widget.send_state
-
-    def counting(self, key=None):
-        sent[self.model_id] = sent.get(self.model_id, 0) + 1
-        return original(self, key)
-    monkeypatch.setattr(Widget, "send_state", counting)
-    return sent
 
 
 def open_gauges():

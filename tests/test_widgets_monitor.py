@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 from IPython.utils.capture import capture_output
-from ipywidgets import Widget
 from ipywidgets.widgets.widget import _instances
 
 from gpumagic import devices, session
@@ -41,17 +40,6 @@ def notebook(shell, monkeypatch):
     monitor.stop()
 
 
-@pytest.fixture
-def messages(monkeypatch):
-    """Count state messages each widget sends to the frontend (by model id)."""
-    sent: dict[str, int] = {}
-    original = Widget.send_state
-
-    def counting(self, key=None):
-        sent[self.model_id] = sent.get(self.model_id, 0) + 1
-        return original(self, key)
-    monkeypatch.setattr(Widget, "send_state", counting)
-    return sent
 
 
 def monitor_threads():
