@@ -1,6 +1,6 @@
 """Tensors a worker keeps between cells, found again by their content.
 
-Tensors of ``MIN_CACHE_BYTES`` or more are *fingerprinted* (a 64-bit,
+Tensors of ``LARGE_TENSOR_BYTES`` or more are *fingerprinted* (a 64-bit,
 position-weighted sum of their bits, the same on CPU and GPU). A worker keeps
 the large tensors of its last cell in a :class:`TensorStore` keyed by
 fingerprint; when the kernel ships a tensor whose fingerprint every worker
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MIN_CACHE_BYTES", "fingerprint_keys", "TensorStore", "is_shippable_tensor"]
+__all__ = ["LARGE_TENSOR_BYTES", "fingerprint_keys", "TensorStore", "is_shippable_tensor"]
 
-MIN_CACHE_BYTES = 1 << 20     # smaller tensors always travel; fingerprinting them costs more than it saves
+# What counts as a large tensor: fingerprinted and kept between cells here (a smaller one always travels:
+# fingerprinting it costs more than it saves), mapped rather than copied where wire.unpack is asked to.
+LARGE_TENSOR_BYTES = 1 << 20
 
 
 def is_shippable_tensor(obj) -> bool:
@@ -77,7 +79,7 @@ def fingerprint_keys(tensors: list[torch.Tensor]) -> list[tuple]:
 class TensorStore:
     """The large tensors a worker kept from its last cell, by fingerprint key."""
 
-    def __init__(self, min_cache_bytes: int = MIN_CACHE_BYTES):
+    def __init__(self, min_cache_bytes: int = LARGE_TENSOR_BYTES):
         self.min_cache_bytes = min_cache_bytes
         self._items: dict[tuple, torch.Tensor] = {}
         self._handed: set = set()

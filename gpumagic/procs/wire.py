@@ -48,13 +48,17 @@ import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import cloudpickle
 import torch
 
-from .tensor_cache import MIN_CACHE_BYTES, TensorStore, fingerprint_keys, is_shippable_tensor
+from .tensor_cache import LARGE_TENSOR_BYTES, TensorStore, fingerprint_keys, is_shippable_tensor
 
-__all__ = ["Packed", "pack", "unpack", "pack_namespace", "unpack_namespace", "Unshippable", "MIN_CACHE_BYTES"]
+if TYPE_CHECKING:
+    from .bulk import Outgoing
+
+__all__ = ["Packed", "pack", "unpack", "pack_namespace", "unpack_namespace", "Unshippable", "LARGE_TENSOR_BYTES"]
 
 _ALIGN = 64                   # every tensor starts on a 64-byte boundary in the buffer
 _GLOBALS_KEY = "__gpumagic_globals__"
@@ -180,7 +184,7 @@ def _cell_sources(filenames: set[str]) -> dict[str, str]:
 
 
 def pack(obj, *, targets: dict[int, str] | None = None, held: set | frozenset = frozenset(),
-         scratch=None, min_cache_bytes: int = MIN_CACHE_BYTES, fingerprint: bool = True,
+         scratch: Outgoing | None = None, min_cache_bytes: int = LARGE_TENSOR_BYTES, fingerprint: bool = True,
          share: Callable[[torch.Tensor], bool] | None = None, sources: dict[str, str] | None = None) -> Packed:
     """Pack ``obj`` for :func:`unpack` on the other side.
 

@@ -25,11 +25,10 @@ from ..procs.loaders import shard_loader
 from ..procs.seeding import seed_all
 from .sharing import match_optimizer_devices, private_state
 
-__all__ = ["train", "TASK", "Channel", "LARGE_TENSOR"]
+__all__ = ["train", "TASK", "Channel"]
 
 TASK = "gpumagic.sharedtrain.worker:train"
 FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
-LARGE_TENSOR = 1 << 20     # bytes: larger notebook tensors are mapped by every worker, not copied into each
 _READ_LATER = ("cuda",)    # devices whose reported tensors are read when sent, not when reported
 
 
@@ -159,8 +158,9 @@ def _namespace(meta: dict, data) -> tuple[dict, CodeType]:
     """The cell's namespace and code: inherited under fork, unpacked otherwise."""
     if meta["method"] == "fork":
         return meta["namespace"], meta["code"]
-    from ..procs.wire import unpack_namespace
-    ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR,
+    from ..procs.wire import LARGE_TENSOR_BYTES, unpack_namespace
+    # Large notebook tensors (datasets) stay mapped: one copy for every worker, not one in each.
+    ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR_BYTES,
                              shared=meta["shared"])
     ns.update({"__name__": "__main__", "__builtins__": builtins})
     ns.setdefault("get_ipython", _no_shell)
