@@ -542,3 +542,25 @@ for i in range(12):
     assert "trained &#x27;model&#x27;: 24 steps" in htmls[-1] and "rank 1" in htmls[-1]
     assert plot_svg(htmls[-1]).count("<polyline") == 2
     assert "sharedtrain: " not in out  # no text summary printed besides the display
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_loader_read_by_a_notebook_function_is_split_and_its_steps_counted(shell, method):
+    run_cell(shell, SETUP + textwrap.dedent("""
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        def train_epoch():
+            seen = []
+            for x, y, idx in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                seen += idx.tolist()
+            return seen
+    """))
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method} --seed 1\n"
+                                     "report(ids=train_epoch())\n")
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    ids = [trained.history[r][0]["ids"] for r in range(2)]
+    assert len(ids[0]) == len(ids[1]) == 256 and sorted(ids[0] + ids[1]) == list(range(512))
+    assert [w.samples for w in trained.workers] == [256, 256] and [w.steps for w in trained.workers] == [8, 8]
