@@ -154,9 +154,6 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
         # what the task lets go of (a namespace, shared tensors) is really freed.
         job = list(first)
         first.clear()
-        handle = job[2]
-        job[2] = handle.open() if handle is not None else None
-        del handle
         _run_task(ctx, job)
         _leave(conn)
     # Everything a persistent worker has imported lives as long as it does: keep the garbage
@@ -322,6 +319,9 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
     sys.stderr = ForwardedStream(ctx, "stderr", forward)
     ctx.in_task = True
     try:
+        from .bulk import BulkHandle
+        if isinstance(data, BulkHandle):
+            data = data.open()   # bytes given with the process's start: mapped now
         result = _task_function(task)(ctx, meta, data)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         del result, meta, data
