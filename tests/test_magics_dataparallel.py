@@ -9,6 +9,7 @@ from __future__ import annotations
 import _thread
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -499,3 +500,38 @@ def test_killed_kernel_leaves_no_worker_behind(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("line, says", [
+    ("--devices cpu --nprocs 100000", "--oversubscribe"),
+    ("--nprocs 100000", "--oversubscribe"),
+    (f"{CPU2} --timeout nan", "positive, finite number of seconds"),
+    (f"{CPU2} --timeout inf", "positive, finite number of seconds"),
+    (f"{CPU2} --bucket-mb nan", "positive, finite number of MB"),
+    (f"{CPU2} --seed 99999999999999999999", "a seed is a whole number from 0 to"),
+    (f"{CPU2} --seed -1", "a seed is a whole number from 0 to"),
+])
+def test_unreasonable_options_are_refused_before_any_process(shell, line, says):
+    run_cell(shell, SETUP.format(shuffle=False))
+    before, children = dp_pool(), set(psutil.Process().children(recursive=True))
+    with pytest.raises(UsageError) as err:
+        shell.run_cell_magic("dataparallel", line, TRAIN)
+    assert says in str(err.value)
+    assert dp_pool() is before and set(psutil.Process().children(recursive=True)) <= children
+
+
+def test_the_line_form_refuses_cell_options(shell):
+    with pytest.raises(UsageError, match=r"--nprocs belong\(s\) to the cell form"):
+        shell.run_line_magic("dataparallel", "--nprocs 0")
+    with pytest.raises(UsageError, match="takes no options"):
+        shell.run_line_magic("dataparallel", "stop --all-output")
+
+
+def test_a_syntax_error_points_at_the_cell_line_only(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    result, out = run_cell(shell, f"%%dataparallel {CPU2}\nx = 1\ny = (x +\n")[:2]
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)   # without the colours
+    err = result.error_in_exec
+    assert isinstance(err, SyntaxError) and err.lineno == 3
+    assert f"Cell In[{result.execution_count}], line 3" in out and "y = (x +" in out
+    assert "gpumagic/dataparallel" not in out and "gpumagic/cell" not in out

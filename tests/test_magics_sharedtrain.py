@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -564,3 +565,53 @@ def test_a_loader_read_by_a_notebook_function_is_split_and_its_steps_counted(she
     ids = [trained.history[r][0]["ids"] for r in range(2)]
     assert len(ids[0]) == len(ids[1]) == 256 and sorted(ids[0] + ids[1]) == list(range(512))
     assert [w.samples for w in trained.workers] == [256, 256] and [w.steps for w in trained.workers] == [8, 8]
+
+
+def test_unreasonable_counts_and_seeds_are_refused_before_any_process(shell):
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
+    before = _children()
+    for line, says in [("--nprocs 100000", "--oversubscribe"), ("--seed 99999999999999999999", "a seed is"),
+                       ("--seed -5", "a seed is")]:
+        result, out, _ = run_cell(shell, f"%%sharedtrain {line}\nmodel(torch.ones(1, 8))\n")
+        assert isinstance(result.error_in_exec, UsageError) and says in str(result.error_in_exec), out
+    assert _children() == before and not shell.user_ns["model"].weight.is_shared()
+
+
+def test_a_syntax_error_points_at_the_cell_line_only(shell):
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2\nx = 1\ny = (x +\n")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)   # without the colours
+    assert isinstance(result.error_in_exec, SyntaxError) and result.error_in_exec.lineno == 3
+    assert f"Cell In[{result.execution_count}], line 3" in out and "gpumagic/sharedtrain" not in out
+
+
+def test_an_interrupt_while_workers_start_stops_them_all_within_a_second(shell):
+    hygiene = Hygiene()
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
+    before = _children()
+    state = {"sent": None}
+
+    def interrupt():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if len(_children() - before) >= 3:      # some started, most not yet
+                state["sent"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.002)
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    try:
+        result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 200 --oversubscribe --start-method fork "
+                                         "--model model\nimport time\ntime.sleep(60)\n")
+    finally:
+        sender.join()
+    returned = time.monotonic()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), out
+    assert state["sent"] is not None and returned - state["sent"] < 1.0 + 2.0   # the grace before SIGKILL
+    partial = shell.user_ns["sharedtrain"]
+    started = [w.pid for w in partial.workers if w.pid]
+    assert 0 < len(started) < 200                                    # it stopped starting them
+    assert "Exception ignored" not in out
+    hygiene.check(shell, started)

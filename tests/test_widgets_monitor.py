@@ -183,7 +183,7 @@ def test_monitoring_never_initialises_cuda(notebook, machine, monkeypatch):
     with capture_output(display=True):
         notebook.run_line_magic("gpumem", "")
         notebook.run_line_magic("gpumem", "--vars")
-        notebook.run_line_magic("gpumem", "--watch --interval 0.02")
+        notebook.run_line_magic("gpumem", "--watch --interval 0.05")
     mon = monitor.current()
     assert wait_for(lambda: mon.ticks >= 5)
     monitor.stop()

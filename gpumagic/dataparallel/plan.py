@@ -9,10 +9,13 @@ In a notebook::
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
 from ..errors import usage_error
+from ..procs.cpus import check_process_count
+from ..procs.seeding import check_seed
 
 __all__ = ["Plan", "make_plan", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
 
@@ -52,7 +55,7 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
               models: str | None = None, backend: str | None = None, timeout: float | None = None,
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
               find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
-              listen: str | None = None, gpus=None) -> Plan:
+              listen: str | None = None, oversubscribe: bool = False, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -61,9 +64,14 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     gpus = devmod.visible_gpus() if gpus is None else gpus
     strategy = (strategy or "ddp").lower()
     backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
+    check_seed(seed)
     notes: list[str] = []
     listed = _listed_devices(devices, gpus)
     chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
+    if strategy == "ddp" and chosen[0] == "cpu":
+        crowded = check_process_count(len(chosen), oversubscribe)
+        if crowded:
+            notes.append(crowded)
     if strategy == "dp":
         return _dp_plan(chosen, backend, timeout, models, all_output, seed, notes)
     on_gpu = chosen[0] != "cpu"
@@ -83,14 +91,16 @@ def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_co
     if nprocs is not None and nprocs < 1:
         raise usage_error(f"--nprocs {nprocs}: need at least one process",
                           [f"--nprocs {n}" for n in range(1, max(2, gpu_count) + 1)])
-    if timeout is not None and timeout <= 0:
-        raise usage_error(f"--timeout {timeout}: must be a positive number of seconds")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise usage_error(f"--timeout {timeout}: must be a positive, finite number of seconds",
+                          ["--timeout 1800 (default)", "--timeout 600"])
     if backend is not None:
         backend = backend.lower()
         if backend not in BACKENDS:
             raise usage_error(f"--backend {backend!r} is not a torch.distributed backend here", BACKENDS)
-    if bucket_mb is not None and bucket_mb <= 0:
-        raise usage_error(f"--bucket-mb {bucket_mb}: must be positive")
+    if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise usage_error(f"--bucket-mb {bucket_mb}: must be a positive, finite number of MB",
+                          ["--bucket-mb 25 (default)", "--bucket-mb 100"])
     if remote is not None and remote < 0:
         raise usage_error(f"--remote {remote}: the number of ranks joining from other machines", ["--remote 8"])
     if remote and strategy == "dp":

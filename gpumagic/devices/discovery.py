@@ -277,15 +277,17 @@ def available_devices(gpus: list[Gpu] | None = None) -> list[str]:
 def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
     """Check ``spec`` against the devices that exist; return its canonical name.
 
-    Accepts ``cpu``, ``cuda`` (the current GPU), ``cuda:N``, ``N``, ``mps``,
-    ``meta`` and ``torch.device`` objects. Raises ``UsageError`` naming the
-    devices that exist.
+    Accepts ``cpu``, ``cuda`` (or ``gpu``: the current GPU), ``cuda:N``, ``N``,
+    ``mps``, ``meta`` and ``torch.device`` objects, in any case. Raises
+    ``UsageError`` naming the devices that exist.
 
     >>> parse_device("0")            # doctest: +SKIP
     'cuda:0'
     """
     gpus = visible_gpus() if gpus is None else gpus
     text_spec = str(spec).strip().lower()
+    shown = _shown(spec)
+
     def choices():  # listed only when there is an error to explain
         return available_devices(gpus)
     if text_spec.isdigit():
@@ -304,13 +306,19 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
     if text_spec.startswith("cuda:"):
         index = text_spec[5:]
         if not index.isdigit():
-            raise usage_error(f"malformed device {str(spec)!r}", choices())
+            raise usage_error(f"malformed device {shown}", choices())
         if not gpus:
             raise usage_error(f"device {text_spec!r} needs a GPU, and this machine has none visible", choices())
         if int(index) >= len(gpus):
             raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible)", choices())
         return f"cuda:{int(index)}"
-    raise usage_error(f"unknown device {str(spec)!r}", choices())
+    raise usage_error(f"unknown device {shown}", choices())
+
+
+def _shown(spec, most: int = 60) -> str:
+    """``spec`` as an error message quotes it: at most ``most`` characters of it."""
+    text = str(spec)
+    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text)} characters)"
 
 
 def default_device(gpus: list[Gpu] | None = None) -> str:

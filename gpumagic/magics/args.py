@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import parse_argstring
+from IPython.core.magic_arguments import argument, parse_argstring
+
+#: ``--oversubscribe``, for the magics that start worker processes.
+oversubscribe = argument(
+    "--oversubscribe", action="store_true",
+    help="start --nprocs workers even above what this machine has room for (4 per core, and the memory "
+         "available); without it, such a count is refused before anything starts")
 
 
 def parse(magic_func, line: str):

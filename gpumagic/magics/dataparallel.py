@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import display
 from ..errors import usage_error
-from .args import parse
+from .args import oversubscribe, parse
 
 __all__ = ["DataParallelMagics", "pool_status"]
 
@@ -75,6 +75,7 @@ class DataParallelMagics(Magics):
     @argument("--listen", default=None,
               help="with --remote or listen: the address other machines reach this kernel at "
                    "(default: $GPUMAGIC_LISTEN_ADDR, $MASTER_ADDR, else the hostname's)")
+    @oversubscribe
     @line_cell_magic
     def dataparallel(self, line, cell=None):
         """Train the cell's model on every GPU; the notebook's model gets the trained weights.
@@ -113,17 +114,21 @@ class DataParallelMagics(Magics):
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
-                         remote=args.remote, listen=args.listen)
+                         remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()
-        if plan.strategy == "dp":
-            from ..dataparallel import dp
-            return dp.run_cell(self.shell, cell, plan, header=header).value
-        from ..dataparallel.run import run_cell
-        for text in plan.notes:
-            display.note(text)
-        result = run_cell(self.shell, cell, plan, header=header)
+        try:
+            if plan.strategy == "dp":
+                from ..dataparallel import dp
+                return dp.run_cell(self.shell, cell, plan, header=header).value
+            from ..dataparallel.run import run_cell
+            for text in plan.notes:
+                display.note(text)
+            result = run_cell(self.shell, cell, plan, header=header)
+        except SyntaxError as exc:
+            exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
+            raise exc
         if result.not_returned:
             display.note("left in the workers (not plain values): " + ", ".join(result.not_returned))
         display.note(result.summary())
@@ -133,6 +138,13 @@ class DataParallelMagics(Magics):
         action = args.action or "status"
         if action not in _ACTIONS:
             raise usage_error(f"%dataparallel {action!r}: the line form takes an action", _ACTIONS)
+        defaults = vars(parse(self.dataparallel, ""))
+        allowed = {"action"} | ({"listen", "nprocs"} if action == "listen" else set())
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in allowed and v != defaults[k]]
+        if given:
+            raise usage_error(f"{' '.join(given)} belong(s) to the cell form (%%dataparallel {' '.join(given)} on "
+                              f"top of a cell); %dataparallel {action} takes "
+                              + ("--listen and --nprocs" if action == "listen" else "no options"), _ACTIONS)
         if action == "listen":
             import os
 

@@ -11,6 +11,7 @@ from ..errors import UsageError, usage_error
 from .args import parse
 
 _ACTIONS = ("--watch", "--stop", "--vars", "--free")
+MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
 
 
 def memory_devices(gpus) -> list[str]:
@@ -31,9 +32,9 @@ def check_args(args, gpus) -> str | None:
     if args.interval is not None:
         if not args.watch:
             raise usage_error("--interval only applies to --watch", ["--watch --interval S"])
-        if not (math.isfinite(args.interval) and args.interval > 0):
-            raise usage_error(f"--interval must be a positive number of seconds, not {args.interval}",
-                              ["0.25 (default)", "0.5", "1", "..."])
+        if not (math.isfinite(args.interval) and args.interval >= MIN_INTERVAL):
+            raise usage_error(f"--interval must be a number of seconds from {MIN_INTERVAL}, not {args.interval}",
+                              [f"{MIN_INTERVAL}", "0.25 (default)", "0.5", "1", "..."])
     if args.device is None:
         return None
     choices = memory_devices(gpus)

@@ -5,9 +5,10 @@ import argparse
 import tokenize
 
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..display import note
+from .args import parse
 
 __all__ = ["OnDeviceMagics"]
 
@@ -40,7 +41,7 @@ class OnDeviceMagics(Magics):
         """``parse_argstring``, remembered per line: a loop of cells repeats the same line."""
         cached = self._parsed.get(line)
         if cached is None:
-            cached = parse_argstring(self.ondevice, line)
+            cached = parse(self.ondevice, line)   # a bad flag's error ends with the usage line
             if len(self._parsed) > 256:
                 self._parsed.clear()
             self._parsed[line] = cached
@@ -48,7 +49,7 @@ class OnDeviceMagics(Magics):
 
     @magic_arguments()
     @argument("device", nargs="?", default=None,
-              help="cpu, cuda, cuda:N, N, mps or meta; omitted: the session's current device "
+              help="cpu, cuda (or gpu), cuda:N, N, mps or meta; omitted: the session's current device "
                    "(picked in %%gpuinfo, else cuda:0 where there is a GPU, else cpu)")
     @argument("--stream", action="store_true",
               help="run on a side stream of DEVICE, ordered with the current stream on entry and exit")

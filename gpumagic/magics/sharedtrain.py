@@ -10,7 +10,7 @@ from __future__ import annotations
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .args import parse
+from .args import oversubscribe, parse
 
 __all__ = ["SharedTrainMagics"]
 
@@ -34,6 +34,7 @@ class SharedTrainMagics(Magics):
     @argument("--seed", type=int, default=None, metavar="S",
               help="worker `rank` seeds its generators with S + rank; loaders shuffle with S "
                    "(default: drawn from the notebook's torch generator)")
+    @oversubscribe
     @cell_magic
     def sharedtrain(self, line, cell):
         """Train the notebook's model from N processes at once, without locks (Hogwild).
@@ -66,7 +67,11 @@ class SharedTrainMagics(Magics):
         try:
             result = train_shared(self.shell, cell, nprocs=args.nprocs, model=args.model, device=args.device,
                                   start_method=args.start_method, seed=args.seed, header=header,
-                                  progress=progress.update, output=progress.output)
+                                  progress=progress.update, output=progress.output,
+                                  oversubscribe=args.oversubscribe)
+        except SyntaxError as exc:
+            exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
+            raise exc
         except BaseException as exc:
             partial = getattr(exc, "result", None)
             if partial is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from .failures import death_info
 from .start import start_process
-from .teardown import STOP_GRACE, end_processes
+from .teardown import STOP_GRACE, end_processes, interrupts_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -78,22 +78,26 @@ class WorkerGroup:
         """Start a worker for each rank in ``ranks`` (default all) with ``configs[rank]``.
 
         ``first`` (``[task, meta, data]``) is each worker's one task: it runs it and exits.
-        A worker that fails to start is ended with the others, and the error propagates.
+        A worker that fails to start is ended with the others, and the error propagates; so is an
+        interrupt, which is held while each process starts and raised between starts.
         """
         ctx = multiprocessing.get_context(method)
         from .worker import worker_main
-        try:
-            for r in (self.ranks if ranks is None else [self.ranks[i] for i in ranks]):
-                parent, child = ctx.Pipe(duplex=True)
-                args = (child, configs[r.rank]) if first is None else (child, configs[r.rank], list(first))
-                try:
-                    r.process = start_process(ctx, worker_main, args, f"gpumagic-{self.name}-{r.rank}")
-                finally:
-                    child.close()
-                r.conn, r.pid = parent, r.process.pid
-        except BaseException:
-            self.end()
-            raise
+        with interrupts_deferred() as interrupted:
+            try:
+                for r in (self.ranks if ranks is None else [self.ranks[i] for i in ranks]):
+                    parent, child = ctx.Pipe(duplex=True)
+                    args = (child, configs[r.rank]) if first is None else (child, configs[r.rank], list(first))
+                    try:
+                        r.process = start_process(ctx, worker_main, args, f"gpumagic-{self.name}-{r.rank}")
+                    finally:
+                        child.close()
+                    r.conn, r.pid = parent, r.process.pid
+                    if interrupted:
+                        raise KeyboardInterrupt
+            except BaseException:
+                self.end()   # still holding Ctrl-C: the workers started so far all end
+                raise
 
     def waitables(self, ranks) -> dict:
         """What to wait on for ``ranks``: each one's pipe, and its process's sentinel where there is

@@ -22,7 +22,8 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["die_with_parent", "watch_kernel", "signal_group", "end_processes", "no_interrupts", "STOP_GRACE"]
+__all__ = ["die_with_parent", "watch_kernel", "signal_group", "end_processes", "no_interrupts",
+           "interrupts_deferred", "STOP_GRACE"]
 
 STOP_GRACE = 2.0    # seconds between SIGTERM and SIGKILL: well inside the 5 s an interrupt may take
 _PR_SET_PDEATHSIG = 1
@@ -115,6 +116,24 @@ def end_processes(processes, *, wait: float = 0.0, grace: float = STOP_GRACE) ->
         else:  # pragma: no cover - a process that survived SIGKILL (uninterruptible sleep)
             logger.warning("worker process %s did not end after SIGKILL", p.pid)
     return codes
+
+
+@contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C while processes start: yields a list that gets an entry per interrupt.
+
+    An interrupt arriving inside ``fork()`` or ``Process.start()`` would be raised in the middle of
+    multiprocessing's (or logging's) at-fork handlers, swallowed there, and leave a half-started
+    worker; the caller checks the list between starts instead and stops cleanly.
+    """
+    pending: list[bool] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True)) if main else None
+    try:
+        yield pending
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 @contextmanager

@@ -62,7 +62,7 @@ from ..procs import forkserver
 from ..procs.failures import primary_error
 from ..procs.group import WorkerGroup
 from ..procs.output import RankOutput
-from ..procs.seeding import draw_seed
+from ..procs.seeding import check_seed, draw_seed
 from ..procs.start import import_lazily_imported
 from ..procs.teardown import no_interrupts
 from ..procs.worker import WorkerConfig
@@ -186,7 +186,7 @@ def _ship(method: str, ns: dict, used: list, loaders: dict, compiled):
 def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | None = None,
                  device: str | None = None, start_method: str | None = None, seed: int | None = None,
                  header: str = "%%sharedtrain", progress: Callable | None = None,
-                 output: Callable | None = None) -> SharedTrainResult:
+                 output: Callable | None = None, oversubscribe: bool = False) -> SharedTrainResult:
     """Run ``cell`` in ``nprocs`` processes that train the notebook's model in shared memory.
 
     Parameters
@@ -213,6 +213,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     output : callable, optional
         ``output(rank, stream, text)`` for what workers print; default prints
         it here with a ``[rank r]`` prefix.
+    oversubscribe : bool
+        Start ``nprocs`` workers even above what the machine has room for.
 
     Returns
     -------
@@ -234,7 +236,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     shell, ns = _shell_and_ns(target)
     if is_empty(cell):
         raise usage_error("the cell is empty: write the training loop each worker runs")
-    nprocs, crowded = check_nprocs(nprocs)
+    nprocs, crowded = check_nprocs(nprocs, oversubscribe)
+    check_seed(seed, offset=nprocs)
     compiled = compile_cell(shell, cell, header=header) if shell is not None else \
         compile_plain(cell, header, label="sharedtrain")
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
@@ -315,7 +318,8 @@ def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress
 
 
 def _end(group: WorkerGroup, result: SharedTrainResult, outgoing, run: _Run, started: float) -> None:
-    for stats in result.workers:
+    for stats, rank in zip(result.workers, group.ranks):
+        stats.pid = rank.pid   # also those an interrupt left half-started
         if stats.state in ("starting", "running"):
             stats.state = "stopped"
     codes = group.end(wait=EXIT_GRACE if result.status == "done" else 0.0)

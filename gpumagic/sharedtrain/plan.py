@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import UsageError, usage_error
 from ..procs import forkserver
-from ..procs.cpus import physical_cores, usable_cpus
+from ..procs.cpus import check_process_count, physical_cores, usable_cpus
 from ..procs.start import choose_start_method
 
 __all__ = ["check_nprocs", "resolve_device", "loader_shardable", "choose_method", "FORKSERVER_PRELOAD"]
@@ -22,18 +22,15 @@ __all__ = ["check_nprocs", "resolve_device", "loader_shardable", "choose_method"
 FORKSERVER_PRELOAD = ("gpumagic.procs.worker", "gpumagic.sharedtrain.worker", "torch._dynamo")
 
 
-def check_nprocs(nprocs) -> tuple[int, str | None]:
-    """``(nprocs, warning)``: one worker per physical core by default; a warning above the core count."""
-    cores = usable_cpus()
+def check_nprocs(nprocs, oversubscribe: bool = False) -> tuple[int, str | None]:
+    """``(nprocs, warning)``: one worker per physical core by default; a warning above the core count,
+    and ``UsageError`` above what the machine has room for (unless ``oversubscribe``)."""
     if nprocs is None:
         return physical_cores(), None
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise usage_error(f"--nprocs must be a positive number of processes, not {nprocs!r}",
-                          sorted({1, physical_cores(), cores}))
-    if nprocs > cores:
-        return nprocs, (f"Warning: {nprocs} processes on {cores} CPU core(s): workers will compete for cores; "
-                        f"--nprocs {physical_cores()} matches this machine")
-    return nprocs, None
+                          sorted({1, physical_cores(), usable_cpus()}))
+    return nprocs, check_process_count(nprocs, oversubscribe)
 
 
 def _hogwild_devices() -> list[str]:
