@@ -250,6 +250,18 @@ def test_gpu_torch_cannot_use_is_usage_error(shell, monkeypatch):
 def test_bad_flag_is_usage_error(shell):
     err, _, _ = fails(shell, "%%ondevice cpu --bogus\nx = 1\n")
     assert type(err) is UsageError
+    assert "unrecognized arguments: --bogus; usage: %ondevice [--stream] [--sync]" in str(err)
+
+
+def test_a_long_device_name_is_cut_in_the_error(shell):
+    err, _, _ = fails(shell, "%%ondevice " + "x" * 5000 + "\nx = 1\n")
+    assert type(err) is UsageError and len(str(err)) < 300
+    assert "unknown device 'xxxxxxxxxx" in str(err) and "... (5000 characters); valid choices: cpu" in str(err)
+
+
+def test_gpu_means_cuda(shell):
+    from gpumagic.devices import Gpu, parse_device
+    assert parse_device("GPU", [Gpu(0, "GPU-a", None, "Fake GPU")]) == "cuda:0"
 
 
 def test_empty_cell_does_nothing(shell):
