@@ -84,6 +84,7 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
     transformed = shell.transform_cell(cell)
     # Blank lines stand in for the header so that every node keeps the user's line number.
     tree = shell.compile.ast_parse("\n" * offset + transformed, filename=filename)
+    refuse_top_level_await(tree, header)
     tree = shell.transform_ast(tree)
     for transformer in transformers:
         tree = ast.fix_missing_locations(transformer.visit(tree))
@@ -95,6 +96,37 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
         last_expr = shell.compile(ast.Expression(last.value), filename, "eval")
     body = shell.compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
     return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree, source=full_source)
+
+
+_ASYNC = (ast.Await, ast.AsyncFor, ast.AsyncWith)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def refuse_top_level_await(tree: ast.Module, header: str = "") -> None:
+    """``UsageError`` for ``await`` (``async for``, ``async with``) outside a function in a magic's cell.
+
+    A plain cell may await at its top level because IPython runs it as a coroutine; a magic's cell
+    runs as ordinary code (in the kernel, or in worker processes), where Python would only say
+    "'await' outside function".
+    """
+    found = _top_level_async(tree)
+    if found is not None:
+        from ..errors import usage_error
+        magic = header.split()[0] if header else "this magic"
+        raise usage_error(f"line {getattr(found, 'lineno', '?')}: top-level await is not supported under {magic}; "
+                          "await in a cell of its own, or call asyncio.run(...) inside this one")
+
+
+def _top_level_async(node: ast.AST) -> ast.AST | None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, _SCOPES):
+            continue   # an await inside a function (or a lambda, or a class body's methods) is fine
+        if isinstance(child, _ASYNC) or (isinstance(child, ast.comprehension) and child.is_async):
+            return child if hasattr(child, "lineno") else node
+        found = _top_level_async(child)
+        if found is not None:
+            return found
+    return None
 
 
 _plain_counter = itertools.count(1)
@@ -110,6 +142,7 @@ def compile_plain(cell: str, header: str = "", label: str = "cell") -> CompiledC
     filename = f"<cell-{label}-{next(_plain_counter)}>"
     register_source(filename, source)
     tree = ast.parse("\n" * offset + cell, filename=filename)
+    refuse_top_level_await(tree, header)
     body_nodes = list(tree.body)
     last_expr = None
     if body_nodes and isinstance(body_nodes[-1], ast.Expr):

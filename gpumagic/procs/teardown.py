@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def end_processes(processes, *, wait: float = 0.0, grace: float = STOP_GRACE) ->
 
 
 @contextmanager
-def interrupts_deferred():
+def interrupts_deferred() -> Iterator[list[bool]]:
     """Hold Ctrl-C while processes start: yields a list that gets an entry per interrupt.
 
     An interrupt arriving inside ``fork()`` or ``Process.start()`` would be raised in the middle of
@@ -137,7 +138,7 @@ def interrupts_deferred():
 
 
 @contextmanager
-def no_interrupts():
+def no_interrupts() -> Iterator[None]:
     """Let cleanup finish even when the user presses interrupt again."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
