@@ -164,6 +164,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _interrupt_once(before: set, workers: int, settle: float = 0.0, poll: float = 0.05):
+    """A thread that interrupts this process once ``workers`` children beyond ``before`` exist (and
+    ``settle`` seconds more); returns it and its state (``state["running"] = False`` calls it off)."""
+    state = {"sent": None, "running": True}
+
+    def interrupt():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and state["running"]:
+            if len(_children() - before) >= workers:
+                time.sleep(settle)
+                if state["running"]:
+                    state["sent"] = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(poll)
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    return sender, state
+
+
 def _ids_by_epoch(history, rank, epoch):
     return [i for e in history[rank] if e["epoch"] == epoch for i in e["ids"]]
 
@@ -376,22 +397,7 @@ def test_worker_error_stops_all_and_points_at_the_cell_line(shell, method):
 def test_interrupt_stops_every_worker_within_5_seconds(shell):
     hygiene = Hygiene()
     run_cell(shell, SETUP)
-    state = {"sent": None, "running": True}
-    before = _children()
-
-    def interrupt():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and state["running"]:
-            if len(_children() - before) >= 2:
-                time.sleep(0.5)  # let the workers get into their loop
-                if state["running"]:
-                    state["sent"] = time.monotonic()
-                    os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    sender = threading.Thread(target=interrupt)
-    sender.start()
+    sender, state = _interrupt_once(_children(), workers=2, settle=0.5)  # let the workers get into their loop
     try:
         result, out, _ = run_cell(shell, """%%sharedtrain --nprocs 2 --start-method fork
 import time
@@ -588,24 +594,12 @@ def test_a_syntax_error_points_at_the_cell_line_only(shell):
 def test_an_interrupt_while_workers_start_stops_them_all_within_a_second(shell):
     hygiene = Hygiene()
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
-    before = _children()
-    state = {"sent": None}
-
-    def interrupt():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if len(_children() - before) >= 3:      # some started, most not yet
-                state["sent"] = time.monotonic()
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.002)
-
-    sender = threading.Thread(target=interrupt)
-    sender.start()
+    sender, state = _interrupt_once(_children(), workers=3, poll=0.002)  # some started, most not yet
     try:
         result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 200 --oversubscribe --start-method fork "
                                          "--model model\nimport time\ntime.sleep(60)\n")
     finally:
+        state["running"] = False
         sender.join()
     returned = time.monotonic()
     assert isinstance(result.error_in_exec, KeyboardInterrupt), out
