@@ -79,25 +79,27 @@ def survey_cell(tree, shell, plan: Plan) -> CellSurvey:
     probe = names_tree(used)
     modules = find_modules(probe if not plan.models else tree, ns, plan.models)
     optimizers = find_optimizers(probe, ns, modules)
-    loaders = find_loaders(probe, ns)
-    for name, loader in loaders.items():
+    read_loaders = find_loaders(probe, ns)
+    for name, loader in read_loaders.items():
         if loader.batch_sampler is None:
             raise usage_error(f"DataLoader {name!r} has batch_size=None: it cannot be split into per-rank "
                               "batches; give it a batch_size")
-    if not loaders:
+    if not read_loaders:
         warnings.warn("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
                       "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
                       "split each batch across the ranks.", stacklevel=3)
-    for n, loader in list(loaders.items()):
+    loaders = {}   # the ones split across the ranks
+    for n, loader in read_loaders.items():
         if isinstance(loader.dataset, torch.utils.data.IterableDataset):
             warnings.warn(f"DataLoader {n!r} reads an IterableDataset: every rank reads all of it; shard it "
                           "inside the dataset with torch.distributed.get_rank()", stacklevel=3)
-            del loaders[n]
+        else:
+            loaders[n] = loader
     stateful = [n for n in used if n not in modules and is_stateful(ns[n])]
     assigned = names_assigned(tree)
     names = list(dict.fromkeys(list(modules) + used))
     plain_read = [n for n in names if n not in modules and is_plain_value(ns[n])]
-    trained = set(modules) | set(optimizers) | set(find_loaders(probe, ns))
+    trained = set(modules) | set(optimizers) | set(read_loaders)
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
