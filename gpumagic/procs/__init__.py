@@ -10,8 +10,9 @@
   anonymous shared memory; :mod:`.tensor_cache` - tensors workers keep between cells;
 * :mod:`.output` - workers' output in the cell, ``[rank N]``; :mod:`.failures` - worker errors;
   :mod:`.teardown` - SIGTERM, grace, SIGKILL, reap, and dying with the kernel;
+  :mod:`.loader_workers` - DataLoader workers inside a worker: forked, gone with it;
 * :mod:`.loaders` - a notebook's DataLoader split across workers; :mod:`.seeding`, :mod:`.cpus`.
 
 Modules a worker imports (worker, wire, bulk, tensor_cache, failures, teardown,
-loaders, seeding) import neither IPython nor the kernel's side of gpumagic.
+loader_workers, loaders, seeding) import neither IPython nor the kernel's side of gpumagic.
 """

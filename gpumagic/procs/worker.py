@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from .failures import exception_info
+from .loader_workers import fork_from_here
 from .teardown import die_with_parent, watch_kernel
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ def _prepare_process(config: WorkerConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if config.method == "fork":
         _detach_display()
+    fork_from_here()   # DataLoader workers start forked, die with this worker, print through it
 
 
 def _detach_display() -> None:
