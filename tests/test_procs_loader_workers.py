@@ -14,6 +14,8 @@ from tests.conftest import ROOT, run_cell
 from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
 
 CPU2 = "--devices cpu --nprocs 2"
+# On two GPUs, ranks that hold CUDA contexts and NCCL communicators fork the loader workers.
+WHERE = [CPU2, pytest.param("--nprocs 2", marks=[pytest.mark.gpu, pytest.mark.gpu2], id="two-gpus")]
 
 SETUP = """
 import os, torch
@@ -38,8 +40,9 @@ opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 seen, parents = [], set()
 for epoch in range(2):
     for x, y, ppid in loader:
+        device = next(model.parameters()).device
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
         seen += x.flatten().tolist()
         parents.update(ppid.flatten().tolist())
@@ -54,9 +57,10 @@ def _stop_pool_after_module():
     poolmod.stop_pool(POOL_NAME)
 
 
-def test_loader_workers_in_ranks_are_forked_from_the_rank_and_load_notebook_classes(shell):
+@pytest.mark.parametrize("where", WHERE)
+def test_loader_workers_in_ranks_are_forked_from_the_rank_and_load_notebook_classes(shell, where):
     run_cell(shell, SETUP)
-    _, cap = dp_cell(shell, CPU2 + " --all-output", TRAIN)
+    _, cap = dp_cell(shell, where + " --all-output", TRAIN)
     # Rank 0 came back: it read its half of every batch, both epochs, from workers it forked itself.
     ns = shell.user_ns
     assert ns["parents"] == [ns["rank_pid"]]
@@ -70,10 +74,11 @@ def test_loader_workers_in_ranks_are_forked_from_the_rank_and_load_notebook_clas
             assert cap.stdout.count(line + "\n") == 2, (line, cap.stdout)
 
 
-def test_no_loader_worker_outlives_its_epoch_or_leaves_semaphores(shell):
-    run_cell(shell, SETUP)
+@pytest.mark.parametrize("where", WHERE)
+def test_no_loader_worker_outlives_its_epoch_or_leaves_semaphores(shell, where):
+    run_cell(shell, SETUP.replace("worker_init_fn=say_hello", "worker_init_fn=say_hello, pin_memory=True"))
     before = set(glob.glob("/dev/shm/sem.*"))
-    dp_cell(shell, CPU2, TRAIN)
+    dp_cell(shell, where, TRAIN)
     for pid in dp_pool().pids:
         assert wait_dead([c.pid for c in psutil.Process(pid).children(recursive=True)]) == []
     assert set(glob.glob("/dev/shm/sem.*")) - before == set()
@@ -82,16 +87,17 @@ def test_no_loader_worker_outlives_its_epoch_or_leaves_semaphores(shell):
 PLAIN_LOADER = """
 plain_loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(32.).unsqueeze(1)), batch_size=4, num_workers=2)
 """
-KILLED_CELL = """%%dataparallel --devices cpu --nprocs 2
+KILLED_CELL = """%%dataparallel {where}
 import time
 for epoch in range(10 ** 6):
     for (x,) in plain_loader:
-        model(x)
+        model(x.to(next(model.parameters()).device))
         time.sleep(0.01)
 """
 
 
-def test_a_killed_kernel_takes_the_ranks_loader_workers_along(tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_a_killed_kernel_takes_the_ranks_loader_workers_along(where):
     from jupyter_client.manager import start_new_kernel
     sems_before = set(glob.glob("/dev/shm/sem.*"))
     km, kc = start_new_kernel(kernel_name="python3", cwd=ROOT)
@@ -100,7 +106,7 @@ def test_a_killed_kernel_takes_the_ranks_loader_workers_along(tmp_path):
         reply = kc.execute_interactive("%load_ext gpumagic\n" + SETUP + PLAIN_LOADER, timeout=120)
         assert reply["content"]["status"] == "ok", reply["content"]
         outputs: list = []
-        kc.execute(KILLED_CELL)
+        kc.execute(KILLED_CELL.format(where=where))
         kernel = psutil.Process(km.provisioner.process.pid)
         # Two ranks, each with two loader workers, all running.
         deadline = time.monotonic() + 120

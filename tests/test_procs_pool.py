@@ -3,7 +3,10 @@ a failure leaves: a symmetric error keeps the pool, anything else ends it."""
 from __future__ import annotations
 
 import os
-import socket
+import stat
+import subprocess
+import sys
+import tempfile
 
 import psutil
 import pytest
@@ -66,11 +69,12 @@ def test_tasks_run_in_a_process_group_and_bulk_bytes_travel_both_ways(pool):
     assert [p["pid"] for p, _ in results] == pool.pids
     status = pool.status()
     assert status["state"] == "running" and status["tasks_run"] == 1 and status["backend"] == "gloo"
-    assert status["rendezvous"].startswith("127.0.0.1:")
-    # The rendezvous listens on loopback only.
-    port = int(status["rendezvous"].rsplit(":", 1)[1])
-    listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
-    assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+    # The ranks met in a file in a directory only this user can enter; the kernel listens nowhere.
+    kind, path = status["rendezvous"].split(" ", 1)
+    directory = os.stat(os.path.dirname(path))
+    assert kind == "file" and os.path.exists(path)
+    assert directory.st_uid == os.getuid() and stat.S_IMODE(directory.st_mode) == 0o700
+    assert [c for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN] == []
 
 
 def test_the_same_error_on_every_rank_keeps_the_pool(pool):
@@ -99,13 +103,47 @@ def test_a_rank_that_dies_ends_the_pool(pool):
     assert pool.state == "dead" and not any(_alive(p) for p in pids)
 
 
-def test_stop_asks_the_ranks_to_leave_and_closes_the_rendezvous(pool):
+def test_stop_asks_the_ranks_to_leave_and_removes_the_rendezvous(pool):
     pids = list(pool.pids)
-    port = int(pool.status()["rendezvous"].rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=5):
-        pass                        # listening while the pool runs
+    directory = os.path.dirname(pool.status()["rendezvous"].split(" ", 1)[1])
+    assert os.path.isdir(directory)
     pool.stop()
     assert pool.state == "stopped" and not any(_alive(p) for p in pids)
     assert [r.exitcode for r in pool.ranks] == [0, 0]      # they left by themselves
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert not os.path.exists(directory)
+
+
+def test_a_killed_kernels_rendezvous_is_removed_by_the_next_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f"gpumagic-rendezvous-{int(dead.stdout)}-abc123"
+    stale.mkdir(mode=0o700)
+    (stale / "store").write_bytes(b"left by a kernel killed outright")
+    live = tmp_path / f"gpumagic-rendezvous-{os.getpid()}-def456"
+    live.mkdir(mode=0o700)
+    pool = WorkerPool(["cpu", "cpu"], "gloo", name="test", start_timeout=120).start()
+    try:
+        ours = os.path.dirname(pool.status()["rendezvous"].split(" ", 1)[1])
+        assert os.path.dirname(ours) == str(tmp_path)
+        assert not stale.exists() and live.exists()          # a running kernel's stays
+    finally:
+        pool.stop()
+    assert not os.path.exists(ours)
+
+
+def test_a_pool_with_ranks_elsewhere_meets_over_tcp_on_its_address():
+    from gpumagic.procs.rendezvous import connect, serve_tcp
+    served = serve_tcp("127.0.0.1", 0, world_size=1, timeout=30)
+    try:
+        kind, address, port = served.rendezvous
+        assert (kind, address) == ("tcp", "127.0.0.1") and served.describe() == f"127.0.0.1:{port}"
+        listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
+        assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+        rank_side = connect(served.rendezvous, world_size=1)
+        rank_side.set("key", "from a rank")
+        assert served.store.get("key") == b"from a rank"
+    finally:
+        served.close()
+    with pytest.raises(ValueError, match="expected"):
+        connect(("udp", "x"), 1)

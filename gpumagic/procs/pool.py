@@ -8,9 +8,9 @@ are the :mod:`.worker` main loop: they die with the kernel, ignore Ctrl-C
 (the kernel stops them) and lead their own process group, so that ending one
 also ends the DataLoader workers it started.
 
-The rendezvous is a ``TCPStore`` served by the kernel on a socket bound to
-127.0.0.1 (torch's own would listen on every interface); gloo and NCCL are
-told to use the loopback interface too. Bulk bytes travel through anonymous
+The ranks meet in a ``FileStore`` in a directory only this user can enter
+(:mod:`.rendezvous`; a ``TCPStore`` when ranks join from other machines);
+gloo and NCCL are told to use the loopback interface. Bulk bytes travel through anonymous
 shared memory (:mod:`.bulk`): nothing has a name in ``/dev/shm``.
 
 In a notebook::
@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
@@ -74,7 +73,7 @@ class WorkerPool(WorkerGroup):
         self.tasks_run = 0
         self.held: set = set()          # fingerprint keys every worker holds (see .tensor_cache)
         self.state = "new"              # new | running | stopped | dead
-        self._store: Any = None      # the rendezvous (a torch.distributed.TCPStore) while running
+        self._store: Any = None      # the rendezvous (see .rendezvous) while running
         self._outgoing: Any = None   # the kernel's bulk buffer, made on first use
         self._lock = threading.Lock()
         self._busy = False
@@ -93,15 +92,15 @@ class WorkerPool(WorkerGroup):
         if self.state != "new":
             raise RuntimeError(f"pool already {self.state}")
         t0 = time.monotonic()
-        port = self._serve_rendezvous() if self.backend else None
+        self._store = self._serve_rendezvous() if self.backend else None
         _live_pools.add(self)
         self.state = "running"
         try:
-            configs = [self._config(r.rank, r.device, port) for r in self.ranks]
+            configs = [self._config(r.rank, r.device) for r in self.ranks]
             super().start("spawn", configs, ranks=range(self.local))
             if self.remote:
                 from .remote import accept_ranks
-                accept_ranks(self, port, t0 + max(self.start_timeout, 600.0))
+                accept_ranks(self, t0 + max(self.start_timeout, 600.0))
             self.wait_ready(t0 + self.start_timeout + (600.0 if self.remote else 0.0),
                             what=f"start within {self.start_timeout:.0f} s")
         except BaseException:
@@ -111,34 +110,20 @@ class WorkerPool(WorkerGroup):
         self.start_seconds = time.monotonic() - t0
         return self
 
-    def _config(self, rank: int, device: str, port) -> WorkerConfig:
+    def _config(self, rank: int, device: str) -> WorkerConfig:
         cpu_ranks = sum(1 for d in self.devices if d == "cpu")
         cores = usable_cpus()
         return WorkerConfig(rank=rank, world_size=self.world_size, device=device, method="spawn",
-                            parent_pid=os.getpid(), backend=self.backend, rendezvous=(self.master_addr, port),
+                            parent_pid=os.getpid(), backend=self.backend,
+                            rendezvous=self._store.rendezvous if self._store is not None else None,
                             timeout=self.timeout, env=self._worker_env(), preload=self.preload, bind_cpus=True,
                             threads=max(1, cores // max(1, cpu_ranks)) if device == "cpu" else None)
 
-    def _serve_rendezvous(self) -> int:
-        import datetime
-
-        import torch.distributed as dist
-        # Bind the socket ourselves: TCPStore would listen on every interface.
-        family = socket.AF_INET6 if ":" in self.master_addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.master_addr, self.master_port))
-            sock.listen(128)
-            port = sock.getsockname()[1]
-            self._store = dist.TCPStore(self.master_addr, port, self.world_size + 1, True,
-                                        timeout=datetime.timedelta(seconds=self.start_timeout),
-                                        wait_for_workers=False, master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store owns the descriptor now, and closes it when it goes
-        return port
+    def _serve_rendezvous(self):
+        from .rendezvous import private_file_store, serve_tcp
+        if self.remote:
+            return serve_tcp(self.master_addr, self.master_port, self.world_size, self.start_timeout)
+        return private_file_store()
 
     def _worker_env(self) -> dict:
         env = {}
@@ -167,6 +152,8 @@ class WorkerPool(WorkerGroup):
 
     def _close(self, state: str, wait: float) -> None:
         self.end(wait=wait)
+        if self._store is not None:
+            self._store.close()
         self._store = None
         self.held = set()
         if self._outgoing is not None:
@@ -253,7 +240,7 @@ class WorkerPool(WorkerGroup):
                           "device_name": r.info.get("device_name"), "host": r.info.get("host")})
         return {"name": self.name, "state": self.state if self.state != "running" or self.alive else "broken",
                 "backend": self.backend, "world_size": self.world_size,
-                "rendezvous": f"{self.master_addr}:{self._store.port}" if self._store is not None else None,
+                "rendezvous": self._store.describe() if self._store is not None else None,
                 "started_at": self.started_at, "start_seconds": self.start_seconds,
                 "tasks_run": self.tasks_run, "ranks": ranks}
 

@@ -92,7 +92,7 @@ def close_listener() -> None:
         _listener = None
 
 
-def accept_ranks(pool, port, deadline: float) -> None:
+def accept_ranks(pool, deadline: float) -> None:
     """Take ``pool``'s remote ranks from workers that connect to the session listener."""
     from ..display import note
     listener = session_listener(pool.master_addr)
@@ -102,7 +102,7 @@ def accept_ranks(pool, port, deadline: float) -> None:
         conn, hello = listener.accept(deadline)
         r.conn, r.pid = conn, hello.get("pid")
         r.device = pool.devices[r.rank] = f"{hello.get('host', '?')}:{hello.get('device', '?')}"
-        config = pool._config(r.rank, hello.get("device", "cpu"), port)
+        config = pool._config(r.rank, hello.get("device", "cpu"))
         config.env, config.threads, config.remote = dict(pool.env), None, True   # their own interfaces
         conn.send(("config", config))
 

@@ -55,7 +55,7 @@ class WorkerConfig:
     method: str = "spawn"               # how it was started: fork, spawn or forkserver
     parent_pid: int | None = None       # the kernel's pid
     backend: str | None = None          # torch.distributed backend; None: no process group
-    rendezvous: tuple | None = None     # (address, port) of the kernel's store
+    rendezvous: tuple | None = None     # where ranks meet: ("file", path) or ("tcp", address, port)
     timeout: float = 1800.0             # seconds a collective may wait
     env: dict = field(default_factory=dict)   # added to the environment
     environ: dict | None = None         # the whole environment (fork-server children: the kernel's as it is now)
@@ -256,8 +256,11 @@ def _join_process_group(config: WorkerConfig) -> None:
 
     import torch
     import torch.distributed as dist
-    addr, port = config.rendezvous or ("127.0.0.1", 0)
-    store = dist.TCPStore(addr, port, config.world_size + 1, False, timeout=datetime.timedelta(seconds=120))
+
+    from .rendezvous import connect
+    if config.rendezvous is None:
+        raise RuntimeError("a process group needs a rendezvous")
+    store = connect(config.rendezvous, config.world_size)
     kwargs = {}
     nccl = config.device.startswith("cuda") and config.backend == "nccl"
     if nccl:
