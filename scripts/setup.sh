@@ -50,12 +50,15 @@ die() { echo "setup: $*" >&2; exit 1; }
 # The environment's name as the user knows it: relative to the checkout when inside it.
 shown="${venv#"$repo"/}"
 
-# pip's own output (warnings included) goes to a log in the environment; a failure shows its end.
-log="$venv/pip.log"
+# What pip and .ci/browser-deps.sh print (warnings included) goes to a log in the
+# environment; a failure shows the end of that step's part.
+log="$venv/setup.log"
+log_start() { echo "--- $* ($(date -u +%FT%TZ))" >>"$log"; mark=$(wc -l <"$log"); }
+log_tail() { tail -n +"$((mark + 1))" "$log" | tail -n "$1" >&2; }
 pip_install() {
-    echo "--- pip install $* ($(date -u +%FT%TZ))" >>"$log"
+    log_start "pip install $*"
     if ! "$vpy" -m pip install "$@" >>"$log" 2>&1; then
-        tail -n 40 "$log" >&2
+        log_tail 40
         die "pip install $* failed; its whole output is in $log"
     fi
 }
@@ -169,12 +172,20 @@ sys.exit(not all(u.find_spec(m) for m in ("jupyterlab", "playwright", "ipywidget
         say "browser: reused /usr/bin/chromium, jupyterlab and playwright"
     else
         say "browser: installing what is missing (.ci/browser-deps.sh: Debian's chromium, jupyterlab, playwright) ..."
-        if bash .ci/browser-deps.sh "$vpy"; then
+        # Its output goes to the log, unless sudo may have to ask for a password.
+        quiet=0
+        if [[ -x /usr/bin/chromium || "$(id -u)" -eq 0 ]] || sudo -n true 2>/dev/null; then quiet=1; fi
+        log_start .ci/browser-deps.sh
+        if [[ $quiet -eq 1 ]] && bash .ci/browser-deps.sh "$vpy" >>"$log" 2>&1; then
+            say "browser: installed ($(tail -n 2 "$log" | head -n 1 | cut -d' ' -f1-2), $(tail -n 1 "$log"))"
+        elif [[ $quiet -eq 0 ]] && bash .ci/browser-deps.sh "$vpy"; then
             say "browser: installed"
         elif [[ "${GPUMAGIC_REQUIRE_BROWSER:-0}" == 1 ]]; then
-            die "browser: .ci/browser-deps.sh failed"
+            [[ $quiet -eq 0 ]] || log_tail 20
+            die "browser: .ci/browser-deps.sh failed (its output: $log)"
         else
-            say "browser: could not install it (see above); the browser test will skip"
+            [[ $quiet -eq 0 ]] || log_tail 20
+            say "browser: could not install it (its output: $log); the browser test will skip"
         fi
     fi
 fi
