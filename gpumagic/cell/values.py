@@ -6,12 +6,15 @@ Plain functions over a cell's AST and the user's namespace; no IPython here
 from __future__ import annotations
 
 import ast
+import logging
 import numbers
 import types
 
 from .names import names_read
 
-__all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful", "same_tuple_type"]
 
 
 def _module_names(namespace: dict) -> list[str]:
@@ -85,6 +88,19 @@ def is_plain_value(value, _depth: int = 0) -> bool:
     if torch is not None and isinstance(value, torch.Tensor):
         return value.dim() == 0
     return False
+
+
+def same_tuple_type(original: tuple, items: list) -> tuple:
+    """``items`` as a tuple of ``original``'s type: a ``torch.Size`` stays one, a namedtuple too."""
+    if type(original) is tuple:
+        return tuple(items)
+    try:
+        if hasattr(original, "_fields"):
+            return type(original)(*items)
+        return type(original)(items)
+    except Exception:
+        logger.debug("%s rebuilt as a tuple", type(original).__name__, exc_info=True)
+        return tuple(items)
 
 
 def is_stateful(value) -> bool:

@@ -21,8 +21,8 @@ import time
 import types
 
 from ..cell.compile import register_source
-from ..cell.values import is_plain_value
-from ..procs.loaders import shard_loader
+from ..cell.values import is_plain_value, same_tuple_type
+from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
@@ -73,7 +73,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     for opt in opts.values():
         opt.load_state_dict(opt.state_dict())
     stats = {"steps": 0, "samples": 0, "seconds": 0.0}
-    _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats)
+    _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
+                   notify=lambda text: ctx.send({"kind": "warning", "text": text}))
     value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
     for module in inner.values():
@@ -123,12 +124,13 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
     return inner
 
 
-def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict) -> None:
+def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict, notify) -> None:
     for name in meta["loaders"]:
-        sharded = shard_loader(ns[name], rank, world, split="batch", seed=meta["seed"])
+        sharded = shard_loader(ns[name], rank, world, split="batch", seed=meta["seed"], whole_without_grad=True,
+                               sampler_class=TrainingPassSampler)
         sampler = sharded.batch_sampler
-        sampler.__class__ = _counting_sampler_class(type(sampler))
-        sampler._gpumagic_stats = stats  # type: ignore[union-attr]
+        assert isinstance(sampler, TrainingPassSampler)
+        sampler.watch(name, stats, notify=notify if rank == 0 else None)
         ns[name] = sharded
 
 
@@ -242,7 +244,7 @@ def _detached(value):
     if isinstance(value, list):
         return [_detached(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
+        return same_tuple_type(value, [_detached(v) for v in value])
     if isinstance(value, dict):
         return {k: _detached(v) for k, v in value.items()}
     return value
@@ -270,18 +272,30 @@ def _apply_flags(flags: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
 
 
-_COUNTING: dict = {}
+class TrainingPassSampler(ShardedBatchSampler):
+    """A rank's share of a loader's batches, counted for the progress display.
 
+    A pass read whole (gradients off: an evaluation) is not training: its
+    samples are not counted. A split pass in which no optimizer steps is
+    probably an evaluation that forgot ``torch.no_grad()``: what the cell
+    computes from it covers rank 0's share only, and a warning says so.
+    """
 
-def _counting_sampler_class(base):
-    """``base`` with its batches counted into ``_gpumagic_stats['samples']`` (for the progress display)."""
-    cls = _COUNTING.get(base)
-    if cls is None:
-        def __iter__(self):
-            stats = self._gpumagic_stats
-            for batch in base.__iter__(self):
-                stats["samples"] += len(batch)
-                yield batch
-        cls = type(base.__name__, (base,), {"__iter__": __iter__})
-        _COUNTING[base] = cls
-    return cls
+    def watch(self, name: str, stats: dict, notify=None) -> None:
+        """Count into ``stats``; ``notify(text)`` shows a warning in the notebook (rank 0's)."""
+        self.name, self.stats, self.notify = name, stats, notify
+        self.warned = False
+
+    def __iter__(self):
+        split = self.splits_this_pass()
+        steps_before = self.stats["steps"]
+        for batch in super().__iter__():
+            if split:
+                self.stats["samples"] += len(batch)
+            yield batch
+        if split and self.stats["steps"] == steps_before and self.notify is not None and not self.warned:
+            self.warned = True
+            self.notify(
+                f"DataLoader {self.name!r} was split across the ranks but no optimizer step followed: what the "
+                "cell computed from it covers rank 0's share only. Read it under torch.no_grad() (as an "
+                "evaluation) and every rank reads it whole.")

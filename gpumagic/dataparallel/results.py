@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..cell.values import same_tuple_type
+
 __all__ = ["CellResult", "load_into_notebook", "cloned"]
 
 
@@ -128,5 +130,5 @@ def cloned(obj):
     if isinstance(obj, list):
         return [cloned(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(cloned(v) for v in obj)
+        return same_tuple_type(obj, [cloned(v) for v in obj])
     return obj

@@ -228,6 +228,8 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
             started_at[rank] = msg["t"]
         elif msg.get("kind") == "progress":
             progress.update(rank, msg["stats"])
+        elif msg.get("kind") == "warning":
+            warnings.warn(msg["text"], UserWarning, stacklevel=2)
 
     try:
         results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)

@@ -3,7 +3,10 @@
 ``split="batch"`` (data parallel): every rank walks the same sequence of
 global batches as the original loader, shuffling included, and takes its
 equal slice of each one, so N ranks averaging gradients see exactly the
-single-process batches. ``split="dataset"`` (Hogwild): each rank takes every
+single-process batches. With ``whole_without_grad``, a pass begun with
+gradients off (an evaluation under ``torch.no_grad()``) is not split: every
+rank reads every batch, so what the cell computes from it (an accuracy over
+``len(loader.dataset)``) is what one process would compute. ``split="dataset"`` (Hogwild): each rank takes every
 N-th sample of the epoch and batches it at the original batch size, so
 workers see different samples.
 
@@ -25,12 +28,13 @@ class ShardedBatchSampler(Sampler):
     """Yield rank ``rank``'s share of the batches of ``batch_sampler``."""
 
     def __init__(self, batch_sampler, rank: int, world_size: int, split: str = "batch", seed: int = 0,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, whole_without_grad: bool = False):
         if split not in ("batch", "dataset"):
             raise ValueError(f"split must be 'batch' or 'dataset', not {split!r}")
         self.batch_sampler = batch_sampler
         self.rank, self.world_size, self.split = rank, world_size, split
         self.seed, self.epoch = seed, 0
+        self.whole_without_grad = whole_without_grad
         self.batch_size = batch_size or getattr(batch_sampler, "batch_size", None) or 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -41,10 +45,17 @@ class ShardedBatchSampler(Sampler):
         if isinstance(sampler, RandomSampler):
             sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
 
+    def splits_this_pass(self) -> bool:
+        """Whether a pass starting now is split (a DataLoader starts its pass in the calling thread)."""
+        return not (self.split == "batch" and self.whole_without_grad and not torch.is_grad_enabled())
+
     def __iter__(self):
         self._seed_shuffling()
         self.epoch += 1
-        if self.split == "batch":
+        if not self.splits_this_pass():
+            for batch in self.batch_sampler:
+                yield list(batch)
+        elif self.split == "batch":
             for batch in self.batch_sampler:
                 batch = list(batch)
                 if len(batch) < self.world_size:
@@ -73,15 +84,16 @@ def _chunk(batch: list, rank: int, world: int) -> list:
     return batch[start:start + base + (1 if rank < extra else 0)]
 
 
-def shard_loader(loader: DataLoader, rank: int, world_size: int, split: str = "batch", seed: int = 0) -> DataLoader:
+def shard_loader(loader: DataLoader, rank: int, world_size: int, split: str = "batch", seed: int = 0,
+                 whole_without_grad: bool = False, sampler_class: type = ShardedBatchSampler) -> DataLoader:
     """A DataLoader over the same dataset that yields rank's share of ``loader``.
 
     >>> sharded = shard_loader(train_loader, rank=1, world_size=2)   # doctest: +SKIP
     """
     if loader.batch_sampler is None:
         raise ValueError("a DataLoader with batch_size=None cannot be sharded")
-    sampler = ShardedBatchSampler(loader.batch_sampler, rank, world_size, split, seed,
-                                  batch_size=loader.batch_size)
+    sampler = sampler_class(loader.batch_sampler, rank, world_size, split, seed,
+                            batch_size=loader.batch_size, whole_without_grad=whole_without_grad)
     kwargs: dict = dict(
         batch_sampler=sampler,
         num_workers=loader.num_workers,

@@ -380,4 +380,36 @@ def unpack_namespace(header: bytes, buffer, **kwargs) -> tuple[dict, list]:
     obj, tensors = unpack(header, buffer, **kwargs)
     namespace = obj[_GLOBALS_KEY].__globals__
     namespace.update(obj["values"])
+    _rewrap_scheduled_optimizers(obj["values"].values())
     return namespace, tensors
+
+
+def _rewrap_scheduled_optimizers(values) -> None:
+    """Give back the ``step`` wrapper an LR scheduler puts on its optimizer.
+
+    An optimizer pickles without it (``Optimizer.__getstate__`` keeps only its
+    state), and the scheduler's first ``step()`` would then warn that
+    ``optimizer.step()`` "has been overridden". The wrapper is torch's: it
+    marks the optimizer as stepped and calls the class's own ``step``.
+    """
+    import functools
+    import weakref
+
+    import torch
+    for value in values:
+        if not isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+            continue
+        opt = value.optimizer
+        if hasattr(opt.step, "_wrapped_by_lr_sched"):
+            continue
+        func = type(opt).step
+        opt_ref = weakref.ref(opt)
+
+        def wrapper(*args, _func=func, _opt_ref=opt_ref, **kwargs):
+            opt = _opt_ref()
+            opt._opt_called = True
+            return _func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+        wrapper = functools.wraps(func)(wrapper)
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = wrapper  # type: ignore[method-assign]

@@ -1,0 +1,189 @@
+"""The PyTorch mnist example as a notebook, trained under %%dataparallel: its evaluation prints what
+a plain cell prints, its scheduler does not warn, and what it returns keeps its type.
+
+The cells are pytorch/examples' mnist/main.py split as a user would (``Net``, ``train``, ``test``,
+Adadelta, StepLR), on a small synthetic dataset in place of MNIST's download; run through a real
+``InteractiveShell`` and through a real Jupyter kernel (nbclient).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.procs import pool as poolmod
+from tests.conftest import ROOT, run_cell
+
+MNIST_SETUP = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super(Net, self).__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
+        self.conv2 = nn.Conv2d(8, 16, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(256, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.relu(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        x = self.fc2(x)
+        output = F.log_softmax(x, dim=1)
+        return output
+
+
+def train(args, model, device, train_loader, optimizer, epoch):
+    model.train()
+    for batch_idx, (data, target) in enumerate(train_loader):
+        data, target = data.to(device), target.to(device)
+        optimizer.zero_grad()
+        output = model(data)
+        loss = F.nll_loss(output, target)
+        loss.backward()
+        optimizer.step()
+        if batch_idx % args["log_interval"] == 0:
+            print('Train Epoch: {} [{}/{} ({:.0f}%)]\\tLoss: {:.6f}'.format(
+                epoch, batch_idx * len(data), len(train_loader.dataset),
+                100. * batch_idx / len(train_loader), loss.item()))
+
+
+def test(model, device, test_loader):
+    model.eval()
+    test_loss = 0
+    correct = 0
+    with torch.no_grad():
+        for data, target in test_loader:
+            data, target = data.to(device), target.to(device)
+            output = model(data)
+            test_loss += F.nll_loss(output, target, reduction='sum').item()  # sum up batch loss
+            pred = output.argmax(dim=1, keepdim=True)  # get the index of the max log-probability
+            correct += pred.eq(target.view_as(pred)).sum().item()
+
+    test_loss /= len(test_loader.dataset)
+
+    print('\\nTest set: Average loss: {:.4f}, Accuracy: {}/{} ({:.0f}%)\\n'.format(
+        test_loss, correct, len(test_loader.dataset),
+        100. * correct / len(test_loader.dataset)))
+
+
+torch.manual_seed(1)
+args = {"log_interval": 4, "epochs": 2}
+device = torch.device("cpu")
+images = torch.randn(384, 1, 12, 12)
+labels = (images[:, 0, :6, :].mean(dim=(1, 2)) > 0).long() + 2 * (images[:, 0, 6:, :].mean(dim=(1, 2)) > 0).long()
+train_loader = DataLoader(TensorDataset(images[:256], labels[:256]), batch_size=32, shuffle=True)
+test_loader = DataLoader(TensorDataset(images[256:], labels[256:]), batch_size=50)
+model = Net().to(device)
+optimizer = optim.Adadelta(model.parameters(), lr=1.0)
+scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+"""
+
+MNIST_LOOP = """%%dataparallel --devices cpu --nprocs 2
+for epoch in range(1, args["epochs"] + 1):
+    train(args, model, device, train_loader, optimizer, epoch)
+    test(model, device, test_loader)
+    scheduler.step()
+"""
+
+TEST_LINE = re.compile(r"Test set: Average loss: [\d.]+, Accuracy: \d+/128 \(\d+%\)")
+
+
+def cell(shell, source: str) -> str:
+    """Run a cell that must succeed; what it printed."""
+    result, text, _ = run_cell(shell, source)
+    assert result.success, (result.error_before_exec or result.error_in_exec, text)
+    return text
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pool_after_module():
+    yield
+    poolmod.stop_pool(POOL_NAME)
+
+
+def test_mnist_evaluation_in_a_training_cell_prints_what_a_plain_cell_prints(shell):
+    cell(shell, MNIST_SETUP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trained = cell(shell, MNIST_LOOP)
+    evaluations = TEST_LINE.findall(trained)
+    assert len(evaluations) == 2, trained          # one evaluation per epoch, over all 128 test images
+    plain = cell(shell, "test(model, device, test_loader)")
+    # The weights came back: the notebook's model scores exactly what the last epoch printed.
+    assert TEST_LINE.findall(plain) == evaluations[-1:]
+    assert "overridden" not in trained and not [w for w in caught if "overridden" in str(w.message)]
+    assert "split across the ranks" not in trained
+    assert not [w for w in caught if "split across the ranks" in str(w.message)]
+    assert shell.user_ns["scheduler"].last_epoch == 2
+    assert shell.user_ns["optimizer"].param_groups[0]["lr"] == pytest.approx(0.49)
+
+
+def test_a_split_loader_no_step_follows_is_named_in_a_warning(shell):
+    cell(shell, MNIST_SETUP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cell(shell, """%%dataparallel --devices cpu --nprocs 2
+train(args, model, device, train_loader, optimizer, 1)
+correct = 0
+for data, target in test_loader:           # evaluation with gradients on: split, and rank 0's half
+    correct += model(data).argmax(dim=1).eq(target).sum().item()
+""")
+    messages = [str(w.message) for w in caught if "split across the ranks" in str(w.message)]
+    assert len(messages) == 1 and "DataLoader 'test_loader'" in messages[0], [str(w.message) for w in caught]
+    assert shell.user_ns["correct"] <= 64     # rank 0's share of the 128 test images
+
+
+def test_returned_values_keep_their_type(shell):
+    cell(shell, MNIST_SETUP)
+    cell(shell, """%%dataparallel --devices cpu --nprocs 2
+from collections import namedtuple
+Stats = namedtuple("Stats", "steps last_loss")
+for data, target in train_loader:
+    optimizer.zero_grad()
+    loss = F.nll_loss(model(data), target)
+    loss.backward()
+    optimizer.step()
+shape = data.shape
+stats = Stats(len(train_loader), loss)
+""")
+    import torch
+    shape, stats = shell.user_ns["shape"], shell.user_ns["stats"]
+    assert type(shape) is torch.Size and shape == torch.Size([16, 1, 12, 12])   # rank 0's half batch
+    assert type(stats).__name__ == "Stats" and stats.steps == 8 and stats.last_loss.dim() == 0
+
+
+def test_mnist_in_a_jupyter_kernel_evaluates_whole(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        "%load_ext gpumagic", MNIST_SETUP, MNIST_LOOP, "test(model, device, test_loader)", "%dataparallel stop")]
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+
+    def text(cell):
+        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    trained, plain = text(nb.cells[2]), text(nb.cells[3])
+    evaluations = TEST_LINE.findall(trained)
+    assert len(evaluations) == 2 and TEST_LINE.findall(plain) == evaluations[-1:], (trained, plain)
+    # Batch 4 of 8: the progress is one process's; len(data) is rank 0's half of the batch of 32.
+    assert "Train Epoch: 2 [64/256 (50%)]" in trained
+    assert "overridden" not in trained + plain
