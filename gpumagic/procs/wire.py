@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 import cloudpickle
 import torch
 
+from ..cell.compile import is_cell
 from .tensor_cache import LARGE_TENSOR_BYTES, TensorStore, fingerprint_keys, is_shippable_tensor
 
 if TYPE_CHECKING:
@@ -121,6 +122,13 @@ def _identity(x):
     return x
 
 
+_DYNAMIC = "<dynamic-code>"
+
+
+def _named_code(code: types.CodeType, filename: str) -> types.CodeType:
+    return code.replace(co_filename=filename)
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, packer: _Packer):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -137,6 +145,10 @@ class _Pickler(cloudpickle.Pickler):
             return _rank_device, ()
         elif isinstance(obj, types.FunctionType):
             self._packer.filenames.add(obj.__code__.co_filename)
+        elif isinstance(obj, types.CodeType) and obj.co_filename != _DYNAMIC:
+            # cloudpickle 3 names all code it ships "<dynamic-code>": keep the cell's name, which
+            # the worker's tracebacks show (with the source sent along) and the kernel maps to In[n].
+            return _named_code, (obj.replace(co_filename=_DYNAMIC), obj.co_filename)
         elif isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
                 and sys.modules.get(obj.__name__) is obj:
             # Module subclasses (torch.classes, torch.ops) miss cloudpickle's by-type table;
@@ -178,7 +190,7 @@ def _cell_sources(filenames: set[str]) -> dict[str, str]:
     out = {}
     for name in filenames:
         entry = linecache.cache.get(name)
-        if name.startswith(("<ipython-input-", "<cell")) and entry is not None and len(entry) >= 3:
+        if entry is not None and len(entry) >= 3 and is_cell(name):
             out[name] = "".join(entry[2])
     return out
 
