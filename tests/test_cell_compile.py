@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import ast
+import types
 
+import IPython
 import pytest
 from IPython.core.error import UsageError
 
-from gpumagic.cell.compile import compile_plain, refuse_top_level_await
+from gpumagic.cell.compile import cell_label, compile_plain, is_cell, refuse_top_level_await, register_source
 from tests.conftest import run_cell
 
 
@@ -37,3 +39,23 @@ def test_every_magic_refuses_top_level_await_before_running_anything(shell, magi
     assert isinstance(result.error_in_exec, UsageError), out
     assert f"line 3: top-level await is not supported under {magic.split()[0]}" in str(result.error_in_exec)
     assert shell.user_ns["ran"] is False
+
+
+def test_cells_are_labelled_as_the_running_shell_numbered_them(shell):
+    result, _, _ = run_cell(shell, "def f():\n    return 1")
+    name = shell.user_ns["f"].__code__.co_filename
+    assert cell_label(name) == f"Cell In[{result.execution_count}]" and is_cell(name)
+    assert cell_label(__file__) is None and not is_cell(__file__)
+
+
+def test_a_kernels_cell_names_come_from_its_compiler(monkeypatch):
+    from ipykernel.compiler import XCachingCompiler
+    compiler = XCachingCompiler()
+    name = compiler.cache("x = 1\n", number=42)          # /tmp/ipykernel_<pid>/<hash>.py
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(compile=compiler))
+    assert "ipykernel_" in name and cell_label(name) == "Cell In[42]" and is_cell(name)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)   # a worker: no shell, so no number
+    assert cell_label(name) is None and not is_cell(name)
+    register_source(name, "x = 1\n")                      # ... but the cell it was sent is a cell
+    assert is_cell(name) and cell_label("<ipython-input-7-0abc>") == "Cell In[7]"
+    assert is_cell(compile_plain("y = 2\n").filename)

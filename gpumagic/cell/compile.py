@@ -9,18 +9,32 @@ gpumagic's own transformers, then ``shell.compile`` under a filename from
 on functions defined in the cell.
 
 Line numbers count the magic's own line, so line 3 is the third line the user
-sees in the cell.
+sees in the cell. :func:`cell_label` says which ``In[n]`` a filename is, as the
+running shell's compiler recorded it (a kernel names cells
+``/tmp/ipykernel_<pid>/<hash>.py``, a terminal ``<ipython-input-7-...>``), and
+:func:`is_cell` whether a worker's frame is in a cell.
 """
 from __future__ import annotations
 
 import ast
 import itertools
 import linecache
+import logging
+import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import CodeType
 
-__all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty",
+           "cell_label", "is_cell"]
+
+# IPython's own name for a cell (IPython.core.compilerop.code_name), which carries its number.
+_INPUT_NAME = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
+# Cells whose source this process registered (a worker has no shell that knows them).
+_registered: set[str] = set()
 
 
 @dataclass
@@ -44,9 +58,51 @@ def is_empty(cell: str | None) -> bool:
 
 
 def register_source(filename: str, source: str) -> None:
-    """Put ``source`` in linecache under ``filename`` (used where there is no shell)."""
+    """Put ``source`` in linecache under ``filename``, known from now on as a cell's (where there is no shell)."""
     lines = [line + "\n" for line in source.splitlines()]
     linecache.cache[filename] = (len(source), None, lines, filename)
+    _registered.add(filename)
+
+
+def _running_shell():
+    """The running IPython shell, or None; never imports IPython (workers have none)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        return ipython.get_ipython()
+    except Exception:  # a half-imported IPython: labels fall back to the names
+        logger.debug("no IPython shell to ask for cell names", exc_info=True)
+        return None
+
+
+def cell_label(filename: str) -> str | None:
+    """What tracebacks call the cell compiled under ``filename`` (``Cell In[7]``), None for a file.
+
+    The running shell's compiler recorded the number of every cell it named, whatever the
+    name looks like (``/tmp/ipykernel_<pid>/<hash>.py`` in a kernel): it is asked first. A
+    process without a shell (a worker) still reads IPython's classic ``<ipython-input-7-...>``.
+
+    >>> cell_label("<ipython-input-7-0123abcd>")
+    'Cell In[7]'
+    """
+    shell = _running_shell()
+    format_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if format_name is not None:
+        try:
+            named = format_name(filename)
+        except Exception:  # a compiler of another kind: fall back to the name
+            logger.debug("format_code_name(%r) failed", filename, exc_info=True)
+            named = None
+        if named:
+            return " ".join(named)
+    match = _INPUT_NAME.fullmatch(filename)
+    return f"Cell In[{match.group(1)}]" if match else None
+
+
+def is_cell(filename: str) -> bool:
+    """True for code compiled from a notebook cell (or a magic's cell) rather than read from a file."""
+    return filename in _registered or filename.startswith("<cell-") or cell_label(filename) is not None
 
 
 def _cell_number(shell) -> int:

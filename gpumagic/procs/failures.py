@@ -1,20 +1,25 @@
 """What a worker's failure looks like on both sides of the pipe.
 
 The worker describes its exception as a plain dict (:func:`exception_info`),
-keeping only the frames from the user's cell so the traceback points at their
-lines; the kernel turns such dicts into one :class:`~gpumagic.errors.WorkerError`
-(:func:`primary_error`), or a :class:`~gpumagic.errors.WorkerDied` for a worker
-that went away without a word (:func:`death_info`).
+keeping only the frames from the user's cell on (gpumagic's left out) so the
+traceback points at their lines; the kernel turns such dicts into one
+:class:`~gpumagic.errors.WorkerError` (:func:`primary_error`), naming each cell
+``Cell In[n]`` as its shell numbered it (:func:`relabel`), or a
+:class:`~gpumagic.errors.WorkerDied` for a worker that went away without a word
+(:func:`death_info`).
 
 The worker half imports neither IPython nor torch.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import traceback
 
-__all__ = ["exception_info", "death_info", "primary_error", "same_failure"]
+from ..cell.compile import cell_label, is_cell
+
+__all__ = ["exception_info", "death_info", "primary_error", "same_failure", "relabel"]
 
 # Errors after which the process group or the CUDA context is not to be trusted.
 _POISONING = ("DistBackendError", "DistNetworkError", "DistStoreError", "AcceleratorError", "OutOfMemoryError")
@@ -28,34 +33,57 @@ _COLLATERAL = ("connection closed", "connection reset", "broken pipe", "distback
 def exception_info(rank: int, exc: BaseException) -> dict:
     """A picklable description of ``exc`` raised in worker ``rank``.
 
-    Frames before the first one in a notebook cell are left out: they are
-    gpumagic's. Frames below the user's (inside torch, say) stay.
+    Where the traceback passes through a cell, frames before the cell's and every
+    gpumagic frame are left out (they are the worker's plumbing: its loop, the
+    task, wrappers and counting loaders); frames below the user's (inside torch,
+    say) stay. Chained exceptions are kept, trimmed alike.
     """
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if _is_cell(f.filename)]
-    if user:
-        frames = traceback.StackSummary.from_list(frames[frames.index(user[0]):])
-    lines = ["Traceback (most recent call last):\n"]
-    lines += [_cell_label(line) for line in traceback.format_list(frames)]
-    lines += traceback.format_exception_only(type(exc), exc)
-    return {"rank": rank, "pid": os.getpid(), "exc_type": type(exc).__name__, "message": str(exc),
-            "traceback": "".join(lines)}
+    te = traceback.TracebackException.from_exception(exc)
+    _trim(te)
+    return {"rank": rank, "pid": os.getpid(), "exc_type": type(exc).__name__, "message": relabel(str(exc)),
+            "traceback": relabel("".join(te.format()))}
 
 
-def _is_cell(filename: str) -> bool:
-    return filename.startswith(("<ipython-input-", "<cell"))
+def _trim(te: traceback.TracebackException) -> None:
+    """Trim the frames of ``te`` and of the exceptions chained to it, in place."""
+    seen: set[int] = set()
+    pending = [te]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        frames = list(current.stack)
+        first = next((i for i, f in enumerate(frames) if is_cell(f.filename)), None)
+        if first is not None:
+            kept = [f for f in frames[first:] if not _is_own(f.filename)]
+            current.stack = traceback.StackSummary.from_list(kept)
+        chained = [current.__cause__, current.__context__, *(getattr(current, "exceptions", None) or [])]
+        pending += [c for c in chained if c is not None]
 
 
-def _cell_label(line: str) -> str:
-    """Show ``File "<ipython-input-7-abc>", line 3`` the way IPython does: ``Cell In[7], line 3``."""
-    marker = 'File "<ipython-input-'
-    start = line.find(marker)
-    if start < 0:
-        return line
-    rest = line[start + len(marker):]
-    number = rest.split("-", 1)[0]
-    after = rest.split('"', 1)[1] if '"' in rest else ""
-    return line[:start] + f"Cell In[{number}]" + after
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_own(filename: str) -> bool:
+    return not filename.startswith("<") and os.path.abspath(filename).startswith(_PACKAGE)
+
+
+# A frame as the traceback module writes it (``File "name", line 3, in f``), or a SyntaxError's place.
+_FRAME = re.compile(r'File "(?P<name>[^"\n]+)", line (?P<line>\d+)')
+
+
+def relabel(text: str) -> str:
+    """``File "<cell's filename>", line 3`` written the way IPython writes it: ``Cell In[7], line 3``.
+
+    Which filename is which cell is asked of this process's shell (in the kernel, the one that
+    compiled the cells; see :func:`~gpumagic.cell.compile.cell_label`), so it works whatever the
+    kernel names its cells. Text about other files is left as it is.
+    """
+    def label(match: re.Match) -> str:
+        name = cell_label(match.group("name"))
+        return f"{name}, line {match.group('line')}" if name else match.group(0)
+    return _FRAME.sub(label, text)
 
 
 # ============================================================== kernel side
@@ -104,6 +132,11 @@ def primary_error(errors: dict):
     """The error to show for ``{rank: info}``: a real exception before a death before what others
     suffered from it, lowest rank first. Every rank's info stays in ``.all_errors``."""
     from ..errors import WorkerDied, WorkerError  # kernel side only: errors imports IPython
+    for info in errors.values():
+        # The worker named cells as far as it could; the kernel's shell knows every cell's number.
+        for key in ("traceback", "message"):
+            if info.get(key):
+                info[key] = relabel(info[key])
     infos = sorted(errors.values(), key=lambda e: (_collateral(e), bool(e.get("died")), e["rank"]))
     e = infos[0]
     cls = WorkerDied if e.get("died") else WorkerError
