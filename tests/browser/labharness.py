@@ -4,6 +4,15 @@ Nothing here touches the user's Jupyter or IPython settings: every Jupyter
 folder (data, config, runtime, kernels, lab settings, workspaces) and the
 IPython profile live in a temporary directory, and the only kernel, ``python3``,
 is the Python running the tests with the repository on its path.
+
+Nothing here waits a fixed time for JupyterLab: the server is ready when its
+REST API answers, and a notebook's kernel is ready when it answers a
+``kernel_info_request`` sent through the server's websocket (as JupyterLab's own
+is) and the server reports it idle; every wait ends as soon as its condition
+holds, under a generous limit for slow machines.
+
+``GPUMAGIC_BROWSER_KERNEL_DELAY=SECONDS`` makes every kernel sleep that long
+before it starts, to check the test against a slow kernel start.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import psutil
@@ -26,6 +36,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
+KERNEL_NAME = "python3"
+KERNEL_DISPLAY_NAME = "Python 3 (ipykernel)"
+KERNEL_DELAY_ENV = "GPUMAGIC_BROWSER_KERNEL_DELAY"
 # Chromium on these machines runs as root without a display or network; these
 # flags keep it from needing a sandbox, a GPU, or any outside service.
 CHROMIUM_ARGS = [
@@ -62,6 +75,27 @@ def _write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def _kernel_argv() -> list[str]:
+    """``python -m ipykernel_launcher``, after a sleep when KERNEL_DELAY_ENV asks for a slow start."""
+    delay = os.environ.get(KERNEL_DELAY_ENV, "").strip()
+    if not delay:
+        return [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    seconds = float(delay)
+    if not 0 <= seconds < 3600:
+        raise ValueError(f"{KERNEL_DELAY_ENV}={delay!r}: give seconds, 0 to 3600")
+    code = (f"import runpy, time; time.sleep({seconds!r}); "
+            "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code, "-f", "{connection_file}"]
+
+
+def _kernel_info_request(session: str) -> dict:
+    return {
+        "header": {"msg_id": uuid.uuid4().hex, "msg_type": "kernel_info_request", "session": session,
+                   "username": "browser-test", "version": "5.3", "date": ""},
+        "parent_header": {}, "metadata": {}, "content": {}, "buffers": [], "channel": "shell",
+    }
+
+
 class LabServer:
     """``jupyter lab`` serving ``root`` on 127.0.0.1 with a random port and token."""
 
@@ -84,9 +118,9 @@ class LabServer:
         jupyter_path = home / "jupyter-path"
         # The kernel is this very interpreter, with the checkout importable, so
         # the notebook runs the gpumagic under test whether or not it is installed.
-        _write_json(jupyter_path / "kernels" / "python3" / "kernel.json", {
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "Python 3 (ipykernel)",
+        _write_json(jupyter_path / "kernels" / KERNEL_NAME / "kernel.json", {
+            "argv": _kernel_argv(),
+            "display_name": KERNEL_DISPLAY_NAME,
             "language": "python",
             "metadata": {"debugger": False},
         })
@@ -151,12 +185,91 @@ class LabServer:
                 time.sleep(0.3)
         return False
 
-    def api(self, method: str, path: str, timeout: float = 10):
-        req = urllib.request.Request(self.url + path, method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+    def api(self, method: str, path: str, body=None, timeout: float = 10):
+        headers = {"Authorization": f"token {self.token}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.url + path, method=method, data=data, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
         return json.loads(body) if body else None
+
+    def start_kernel_for(self, path: str, timeout: float = 300.0) -> str:
+        """Start the notebook ``path``'s session and kernel, and return once the kernel is idle.
+
+        JupyterLab, opening the notebook afterwards, finds the session by its
+        path and connects to the running kernel instead of starting one while
+        the page loads, so the page never has a notebook whose kernel is
+        still on its way (cells run then put up JupyterLab's "Select Kernel"
+        dialog, as seen on a loaded machine). Returns the kernel id.
+        """
+        deadline = time.monotonic() + timeout
+        session = self.api("POST", "/api/sessions", {
+            "path": path, "name": Path(path).name, "type": "notebook", "kernel": {"name": KERNEL_NAME},
+        }, timeout=timeout)
+        kernel_id = session["kernel"]["id"]
+        self.wait_kernel_idle(kernel_id, deadline)
+        return kernel_id
+
+    def wait_kernel_idle(self, kernel_id: str, deadline: float) -> None:
+        """Until ``deadline`` (monotonic): the kernel answers kernel_info and the server says idle.
+
+        A kernel nobody talks to stays "starting" in the server's eyes, so
+        this asks it, through the server's websocket as JupyterLab does.
+        """
+        self._kernel_info(kernel_id, deadline)
+        state = None
+        while time.monotonic() < deadline:
+            try:
+                state = self.api("GET", f"/api/kernels/{kernel_id}")["execution_state"]
+            except OSError:  # a busy server that did not answer in time: ask again
+                time.sleep(0.2)
+                continue
+            if state == "idle":
+                return
+            if state == "dead":
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"kernel {kernel_id} is {state}, not idle; log:\n{self.log_text()}")
+
+    def _kernel_info(self, kernel_id: str, deadline: float) -> dict:
+        """Ask for kernel_info (again every few seconds: one sent before the kernel listens can be lost)."""
+        import websocket  # websocket-client: a requirement of jupyter_server
+
+        session = uuid.uuid4().hex
+        url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels?session_id={session}"
+        while time.monotonic() < deadline:
+            try:
+                # The server answers the handshake once it has heard from the kernel, or
+                # after its kernel_info_timeout: a slow kernel makes connecting slow too.
+                ws = websocket.create_connection(url, header=[f"Authorization: token {self.token}"],
+                                                 timeout=max(1.0, deadline - time.monotonic()))
+            except (OSError, websocket.WebSocketException):
+                time.sleep(0.5)
+                continue
+            try:
+                asked = set()
+                while time.monotonic() < deadline:
+                    request = _kernel_info_request(session)
+                    asked.add(request["header"]["msg_id"])
+                    ws.send(json.dumps(request))
+                    resend = min(deadline, time.monotonic() + 5)
+                    while time.monotonic() < resend:
+                        ws.settimeout(max(0.1, resend - time.monotonic()))
+                        try:
+                            message = json.loads(ws.recv() or "{}")
+                        except websocket.WebSocketTimeoutException:
+                            break
+                        if (message.get("header", {}).get("msg_type") == "kernel_info_reply"
+                                and message.get("parent_header", {}).get("msg_id") in asked):
+                            return message["content"]
+            except (OSError, websocket.WebSocketException):
+                time.sleep(0.5)  # the server closed it (a kernel restarting, say): connect again
+            finally:
+                ws.close()
+        raise RuntimeError(f"kernel {kernel_id} never answered kernel_info; log:\n{self.log_text()}")
 
     def log_text(self) -> str:
         try:
@@ -213,8 +326,10 @@ class Browser:
         self.context = self._pw.chromium.launch_persistent_context(
             str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
             viewport={"width": 1400, "height": 1000},
+            timeout=180_000,  # a limit, not a wait: a busy machine can take a while to start Chromium
         )
-        self.context.set_default_timeout(60_000)
+        # Playwright's waits end as soon as their condition holds: this is only their limit.
+        self.context.set_default_timeout(120_000)
         page = self.context.pages[0] if self.context.pages else self.context.new_page()
         page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))

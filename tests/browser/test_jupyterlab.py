@@ -16,6 +16,17 @@ Chromium, JupyterLab or Playwright are missing (``.ci/browser-deps.sh``
 installs them). Run it with::
 
     python -m pytest -m browser tests/browser -v
+
+Nothing waits a fixed time. Each notebook's kernel is started through the
+server's REST API and answers before the page opens the notebook, so
+JupyterLab connects to a running kernel instead of starting one; and each step
+waits until what it needs is on the screen (the notebook drawn, its kernel
+named and idle in the toolbar and the status bar, cells numbered), under limits
+generous enough for a loaded machine. Running cells in a notebook whose kernel
+is not there yet is what put up JupyterLab's "Select Kernel" dialog on a slow
+machine; one that appears anyway is answered with the python3 kernel.
+``GPUMAGIC_BROWSER_KERNEL_DELAY=20`` tries it with a kernel that takes 20 s
+to start.
 """
 from __future__ import annotations
 
@@ -26,7 +37,15 @@ import time
 import warnings
 
 import pytest
-from labharness import ARTIFACTS, ROOT, Browser, LabServer, missing_requirements
+from labharness import (
+    ARTIFACTS,
+    KERNEL_DISPLAY_NAME,
+    KERNEL_NAME,
+    ROOT,
+    Browser,
+    LabServer,
+    missing_requirements,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 
@@ -35,6 +54,7 @@ SHAREDTRAIN = ROOT / "examples" / "03_sharedtrain.ipynb"
 SHOTS = ARTIFACTS / "browser"
 RUN_ALL_TIMEOUT = 300  # seconds: the whole tour, a cold kernel and torch's import on a busy machine
 CELL_TIMEOUT = 120
+KERNEL_TIMEOUT = 300  # seconds for a kernel to start and the page to connect to it (limits, not waits)
 BIG_MIB = 512  # the tensor the test allocates while watching the gauge
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -83,24 +103,71 @@ def _to_bytes(number: str, unit: str) -> float:
     return float(number) * _UNITS[unit]
 
 
-def _dismiss_dialogs(page) -> None:
-    """Accept any dialog JupyterLab put up (a kernel choice on first open, say)."""
+# The notebook on screen is drawn (no loading spinner, cells shown) and its
+# kernel is python3, connected and idle, as the toolbar's kernel name, its
+# execution indicator and the status bar show it. The execution indicator alone
+# is not enough: it reads "idle" while the notebook has no kernel yet.
+_KERNEL_READY_JS = """name => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    if (!panel || panel.querySelector('.jp-Spinner') || !panel.querySelector('.jp-Notebook .jp-Cell')) return false;
+    const kernel = panel.querySelector('.jp-Toolbar-kernelName');
+    const label = kernel && (kernel.getAttribute('aria-label') || kernel.textContent).trim();
+    const indicator = panel.querySelector('.jp-Notebook-ExecutionIndicator');
+    const status = [...document.querySelectorAll('#jp-main-statusbar .jp-StatusBar-Item')]
+        .some(e => e.textContent.trim() === name + ' | Idle');
+    return label === name && indicator && indicator.dataset.status === 'idle' && status;
+}"""
+
+
+def _accept_dialogs(page) -> list[str]:
+    """Answer each dialog JupyterLab put up; a kernel choice gets the python3 kernel.
+
+    Returns the dialogs' titles. None is expected: the kernel is running
+    before the notebook opens; this only keeps a late one from blocking the page.
+    """
+    titles = []
     dialog = page.locator(".jp-Dialog")
-    if dialog.count():
-        page.locator(".jp-Dialog .jp-mod-accept").first.click()
-        dialog.first.wait_for(state="detached")
+    while dialog.count():
+        first = dialog.first
+        titles.append(first.locator(".jp-Dialog-header").inner_text().strip())
+        choice = first.locator("select")
+        if choice.count():  # "Select Kernel": its options' values are JSON kernel choices
+            value = choice.first.evaluate(
+                """(s, name) => { for (const o of s.options) {
+                       try { if (JSON.parse(o.value).name === name) return o.value; } catch (e) {} }
+                   return null; }""", KERNEL_NAME)
+            if value is not None:
+                choice.first.select_option(value=value)
+        first.locator(".jp-mod-accept").first.click()
+        first.wait_for(state="detached")
+    if titles:
+        print(f"answered JupyterLab dialogs: {titles}")
+    return titles
+
+
+def _wait_kernel_ready(page, timeout: float = KERNEL_TIMEOUT) -> None:
+    """Until the notebook is drawn and its kernel idle; a dialog on the way is answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the notebook's {KERNEL_DISPLAY_NAME} kernel was not connected "
+                                 f"and idle within {timeout} s")
+        page.wait_for_function(f"name => ({_KERNEL_READY_JS})(name) || !!document.querySelector('.jp-Dialog')",
+                               arg=KERNEL_DISPLAY_NAME, timeout=left * 1000)
+        if not _accept_dialogs(page) and _kernel_ready(page):
+            return
+
+
+def _kernel_ready(page) -> bool:
+    return page.evaluate(_KERNEL_READY_JS, KERNEL_DISPLAY_NAME)
 
 
 def _open_notebook(page, lab, name: str) -> None:
+    """Start the notebook's kernel, wait until it is idle, then open the notebook on it."""
+    lab.start_kernel_for(name, timeout=KERNEL_TIMEOUT)
     page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
-    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        _dismiss_dialogs(page)
-        if page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count():
-            return
-        time.sleep(0.5)
-    raise AssertionError("the kernel never became idle after opening the notebook")
+    _wait_kernel_ready(page)
 
 
 def _prompts(page) -> list[str]:
@@ -109,25 +176,21 @@ def _prompts(page) -> list[str]:
         "els => els.map(e => e.textContent.trim())")
 
 
-def _kernel_idle(page) -> bool:
-    return page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count() > 0
-
-
 def _wait_cells_done(page, timeout: float) -> list[str]:
     """Wait until no cell is queued or running and the kernel is idle; returns the prompts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         prompts = _prompts(page)
-        if prompts and not any("*" in p for p in prompts) and _kernel_idle(page):
+        if prompts and not any("*" in p for p in prompts) and _kernel_ready(page):
             time.sleep(0.5)  # idle may flicker between two queued cells
             again = _prompts(page)
-            if again == prompts and _kernel_idle(page):
+            if again == prompts and _kernel_ready(page):
                 return prompts
         time.sleep(0.5)
     raise AssertionError(f"cells still running after {timeout} s: {_prompts(page)}")
 
 
-def _menu(page, menu: str, item: str, done_js: str, timeout: float = 20_000) -> None:
+def _menu(page, menu: str, item: str, done_js: str, timeout: float = 60_000) -> None:
     """Choose ``menu > item`` until ``done_js`` holds in the page.
 
     A click that lands while a menu is still opening or closing can do
@@ -136,6 +199,7 @@ def _menu(page, menu: str, item: str, done_js: str, timeout: float = 20_000) -> 
     """
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     for _ in range(3):
+        _accept_dialogs(page)          # nothing modal in the way of the menu
         page.keyboard.press("Escape")  # no other menu half-open
         page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{re.escape(menu)}$")).click()
         entry = page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$"))
@@ -150,13 +214,15 @@ def _menu(page, menu: str, item: str, done_js: str, timeout: float = 20_000) -> 
 
 
 _PROMPTS_JS = "[...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]"
-_ALL_CLEARED = f"() => {_PROMPTS_JS}.every(e => !/\\d/.test(e.textContent))" \
+# (cells on screen first: with none drawn yet, "every prompt is clear" would hold already)
+_ALL_CLEARED = f"() => {_PROMPTS_JS}.length > 0 && {_PROMPTS_JS}.every(e => !/\\d/.test(e.textContent))" \
                " && !document.querySelector('.jp-OutputArea-output')"
 _ANY_STARTED = f"() => {_PROMPTS_JS}.some(e => /[*\\d]/.test(e.textContent))"
 
 
 def _run_all(page) -> list[str]:
     """Clear the stored outputs, then run every cell, as from the menus."""
+    _wait_kernel_ready(page)
     _menu(page, "Edit", "Clear Outputs of All Cells", _ALL_CLEARED)
     _menu(page, "Run", "Run All Cells", _ANY_STARTED)
     return _wait_cells_done(page, RUN_ALL_TIMEOUT)
@@ -177,7 +243,8 @@ def _add_cell_and_run(page, source: str) -> object:
     cells.nth(index - 1).locator(".jp-InputPrompt").click()   # select the last cell
     page.keyboard.press("Escape")                             # command mode
     page.keyboard.press("b")                                  # insert a cell below
-    page.wait_for_function(f"() => document.querySelectorAll('.jp-Notebook .jp-Cell').length > {index}")
+    page.wait_for_function(f"() => document.querySelectorAll('.jp-Notebook .jp-Cell').length > {index}",
+                           timeout=CELL_TIMEOUT * 1000)
     new = cells.nth(index)
     new.locator(".cm-content").click()
     # insert_text types without key events, so the editor's bracket closing cannot add characters.
@@ -186,7 +253,7 @@ def _add_cell_and_run(page, source: str) -> object:
     deadline = time.monotonic() + CELL_TIMEOUT
     while time.monotonic() < deadline:
         prompt = new.locator(".jp-InputPrompt").inner_text().strip()
-        if re.fullmatch(r"\[\d+\]:", prompt) and _kernel_idle(page):
+        if re.fullmatch(r"\[\d+\]:", prompt) and _kernel_ready(page):
             break
         time.sleep(0.3)
     else:
@@ -220,7 +287,7 @@ def _kernel_bytes(caption: str) -> float | None:
     return _to_bytes(*match.groups()) if match else None
 
 
-def _wait_kernel_bytes(gauge, accept, timeout: float = 30.0) -> tuple[float, str]:
+def _wait_kernel_bytes(gauge, accept, timeout: float = 90.0) -> tuple[float, str]:
     deadline = time.monotonic() + timeout
     caption = ""
     while time.monotonic() < deadline:
@@ -262,7 +329,7 @@ def _tour(lab, page):
 
     # The device picker is drawn and offers at least the CPU.
     picker = page.locator(".gpumagic-device-picker select").first
-    picker.wait_for(state="visible")
+    picker.wait_for(state="visible", timeout=CELL_TIMEOUT * 1000)
     options = picker.locator("option").all_inner_texts()
     devices = [o.replace("\xa0", " ").split(": ")[0].strip() for o in options]
     assert "cpu" in devices, f"picker options: {options}"
@@ -279,7 +346,7 @@ def _tour(lab, page):
     for chosen in others[:1] + ([shown] if others else []):
         picker.select_option(index=devices.index(chosen))
         # The choice travels to the kernel over the widget's comm: poll what the kernel says.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             cell = _add_cell_and_run(page, "print(gpumagic.current_device())")
             said = _output_text(cell).strip()
@@ -295,7 +362,7 @@ def _tour(lab, page):
     # The gauges are drawn, and the kernel's memory on the CPU gauge follows a big tensor.
     _add_cell_and_run(page, "%gpumem --watch")
     gauge = _cpu_gauge(page)
-    gauge.wait_for(state="visible")
+    gauge.wait_for(state="visible", timeout=CELL_TIMEOUT * 1000)
     assert gauge.locator(".progress-bar").count() == 1
     before, caption_before = _wait_kernel_bytes(gauge, lambda v: v > 0)
     _add_cell_and_run(page, f"import torch\nbig = torch.ones({BIG_MIB} * 2**20 // 4)"
@@ -344,7 +411,7 @@ def test_stored_sharedtrain_notebook_still_shows_its_loss_plot(lab, browser):
     try:
         _open_notebook(page, lab, SHAREDTRAIN.name)
         plot = page.locator(".jp-RenderedHTMLCommon img[src^='data:image/svg+xml']")
-        plot.first.wait_for(timeout=60_000)
+        plot.first.wait_for(timeout=CELL_TIMEOUT * 1000)
         page.wait_for_function("""() => { const i = document.querySelector(
             ".jp-RenderedHTMLCommon img[src^='data:image/svg+xml']"); return i && i.complete; }""")
         plot.first.scroll_into_view_if_needed()
