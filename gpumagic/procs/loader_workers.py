@@ -93,8 +93,9 @@ class _OutputRelay:
         die_with_parent(self.forking_pid, signal.SIGKILL)
         for stream, fd in self.write_ends.items():
             raw = io.FileIO(fd, "w", closefd=False)
-            setattr(sys, stream, io.TextIOWrapper(raw, encoding="utf-8", errors="replace",
-                                                  line_buffering=True, write_through=True))
+            # Whole lines, each in one write: several children share the pipe, and a write of up
+            # to PIPE_BUF bytes is not interleaved with another's (print writes "\n" separately).
+            setattr(sys, stream, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", line_buffering=True))
 
     @staticmethod
     def _copy(selector: selectors.BaseSelector) -> None:
