@@ -1,6 +1,8 @@
 """Steps and samples per rank while a %%dataparallel cell runs (gpumagic.dataparallel.progress)."""
 from __future__ import annotations
 
+import pytest
+
 
 def test_progress_prints_per_rank_lines_in_a_terminal():
     import io
@@ -15,3 +17,36 @@ def test_progress_prints_per_rank_lines_in_a_terminal():
     assert out.getvalue().count("\n") == 1
     assert "rank 0: 10 steps, 80 samples/s" in out.getvalue() and "rank 1: 10 steps" in out.getvalue()
     assert "80" in progress.render().text and "<table>" in progress.render().html_text
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    from tests.fake_nvml import busy_four_gpu_machine, installed
+    yield from installed(busy_four_gpu_machine(), monkeypatch)
+
+
+def test_ranks_on_gpus_show_their_gpus_load_from_nvml_without_cuda(fake_gpus, no_cuda_init):
+    import io
+
+    from gpumagic.dataparallel.progress import Progress
+    from tests.fake_nvml import GiB
+    fake_gpus.gpus[2]["used"] = 40 * GiB
+    out = io.StringIO()
+    progress = Progress(["cuda:2", "cuda:3"], shell=None, after=0.0, stream=out)
+    progress.update(0, {"steps": 10, "samples": 160, "seconds": 2.0})
+    progress.update(1, {"steps": 10, "samples": 160, "seconds": 2.0})
+    rendered = progress.render()
+    assert progress.header[-2:] == ["GPU util", "GPU memory"]
+    assert "37%" in rendered.text and "40.0 GiB / 141.0 GiB" in rendered.text and "GPU memory" in rendered.html_text
+    rows = progress.rows()
+    # cuda:3 does not report utilisation: a dash, not a made-up number.
+    assert [r[-2] for r in rows] == ["37%", "-"] and rows[1][-1] == "1.0 GiB / 141.0 GiB"
+    progress.tick()
+    assert "rank 0: 10 steps, 80 samples/s, GPU 37%" in out.getvalue()
+
+
+def test_ranks_on_the_cpu_show_no_gpu_columns():
+    from gpumagic.dataparallel.progress import Progress
+    progress = Progress(["cpu", "cpu"], shell=None)
+    progress.update(0, {"steps": 1, "samples": 2, "seconds": 1.0})
+    assert progress.header == Progress.HEADER and len(progress.rows()[0]) == len(Progress.HEADER)

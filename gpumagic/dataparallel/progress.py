@@ -4,14 +4,19 @@ Workers count their optimizer steps and the samples their loaders yield and
 report at most once a second; nothing here adds a host sync to a step. The
 display appears only once a cell has run for ``after`` seconds: an HTML table
 updated in place in a notebook, a line on stderr every ``every`` seconds in a
-terminal.
+terminal. Ranks on GPUs also show their GPU's utilisation and memory, read
+from NVML when the display renders (no CUDA context in the kernel): an idle
+or launch-bound GPU shows at a glance.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
-from ..display import Rendered, html_table, text_table, widgets_supported
+from ..display import Rendered, fmt_bytes, html_table, text_table, widgets_supported
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Progress"]
 
@@ -30,6 +35,7 @@ class Progress:
         self._handle = None
         self._last_render = 0.0
         self._dirty = False
+        self.gpu_handles = _nvml_handles(self.devices)
 
     def update(self, rank: int, stats: dict) -> None:
         self.stats[rank] = dict(stats)
@@ -40,21 +46,44 @@ class Progress:
         for rank, device in enumerate(self.devices):
             s = self.stats.get(rank)
             if s is None:
-                rows.append([str(rank), device, "-", "-", "-", "-"])
-                continue
-            secs = max(s.get("seconds", 0.0), 1e-9)
-            rows.append([str(rank), device, str(s.get("steps", 0)), f"{s.get('steps', 0) / secs:.1f}",
-                         str(s.get("samples", 0)), f"{s.get('samples', 0) / secs:,.0f}"])
+                row = [str(rank), device, "-", "-", "-", "-"]
+            else:
+                secs = max(s.get("seconds", 0.0), 1e-9)
+                row = [str(rank), device, str(s.get("steps", 0)), f"{s.get('steps', 0) / secs:.1f}",
+                       str(s.get("samples", 0)), f"{s.get('samples', 0) / secs:,.0f}"]
+            if self.gpu_handles:
+                load = self.gpu_load(rank)
+                row += [f"{load['util']}%" if load.get("util") is not None else "-",
+                        f"{fmt_bytes(load['used'])} / {fmt_bytes(load['total'])}" if load.get("used") is not None
+                        else "-"]
+            rows.append(row)
         return rows
 
     HEADER = ["rank", "device", "steps", "steps/s", "samples", "samples/s"]
+    GPU_HEADER = ["GPU util", "GPU memory"]
+
+    @property
+    def header(self) -> list[str]:
+        return self.HEADER + (self.GPU_HEADER if self.gpu_handles else [])
+
+    def gpu_load(self, rank: int) -> dict:
+        """``{"util": percent, "used": bytes, "total": bytes}`` of rank's GPU now ({} off a GPU)."""
+        handle = self.gpu_handles.get(rank)
+        if handle is None:
+            return {}
+        from ..devices import nvml
+        nv = nvml.lib()
+        util = nvml.query(nv.nvmlDeviceGetUtilizationRates, handle)
+        memory = nvml.query(nv.nvmlDeviceGetMemoryInfo, handle)
+        return {"util": getattr(util, "gpu", None), "used": getattr(memory, "used", None),
+                "total": getattr(memory, "total", None)}
 
     def render(self) -> Rendered:
         rows = self.rows()
         elapsed = time.monotonic() - self.t0
         title = f"%%dataparallel: {elapsed:.0f} s"
-        return Rendered(title + "\n" + text_table(rows, self.HEADER),
-                        f"<b>{title}</b>" + html_table(rows, self.HEADER))
+        return Rendered(title + "\n" + text_table(rows, self.header),
+                        f"<b>{title}</b>" + html_table(rows, self.header))
 
     def tick(self, final: bool = False) -> None:
         now = time.monotonic()
@@ -75,9 +104,30 @@ class Progress:
             if final or now - self._last_render < self.every and self._last_render:
                 return
             stream = self.stream or sys.stderr
-            parts = [f"rank {r}: {s.get('steps', 0)} steps, "
-                     f"{s.get('samples', 0) / max(s.get('seconds', 0.0), 1e-9):,.0f} samples/s"
-                     for r, s in sorted(self.stats.items())]
+            parts = []
+            for r, s in sorted(self.stats.items()):
+                part = (f"rank {r}: {s.get('steps', 0)} steps, "
+                        f"{s.get('samples', 0) / max(s.get('seconds', 0.0), 1e-9):,.0f} samples/s")
+                util = self.gpu_load(r).get("util")
+                parts.append(part + (f", GPU {util}%" if util is not None else ""))
             print(f"[dataparallel {now - self.t0:.0f} s] " + " | ".join(parts), file=stream)
         self._last_render = now
         self._dirty = False
+
+
+def _nvml_handles(devices: list[str]) -> dict:
+    """NVML handles of the ranks on this machine's GPUs, by rank (through NVML: no CUDA context)."""
+    if not any(d.startswith("cuda") for d in devices):
+        return {}
+    try:
+        from ..devices import visible_gpus
+        gpus = {g.device: g.handle for g in visible_gpus() if g.handle is not None}
+    except Exception:  # the display goes on without GPU columns
+        logger.debug("no NVML handles for the progress display", exc_info=True)
+        return {}
+    handles = {}
+    for rank, device in enumerate(devices):
+        name = device if ":" in device else f"{device}:0"
+        if name in gpus:
+            handles[rank] = gpus[name]
+    return handles
