@@ -180,6 +180,33 @@ def test_ddp_options_keep_the_result(shell):
         torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("grad_dtype, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_gradients_all_reduced_in_a_smaller_dtype_are_rounded_to_it(shell, grad_dtype, dtype):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    dp_cell(shell, f"{CPU2} --grad-dtype {grad_dtype}", TRAIN + f"""
+opt.zero_grad()
+((model(X[:32]) - Y[:32]) ** 2).mean().backward()
+rounded = all(bool((p.grad == p.grad.to({dtype!r}).float()).all()) for p in model.parameters())
+""")
+    # The averaged gradient each rank applied was rounded to the small dtype (in fp32 it would not
+    # be), and the training is still that of one process, to the rounding's precision.
+    assert ns["rounded"] is True
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=2e-2, rtol=0)
+    assert max((p - ref_model.state_dict()[n]).abs().max().item() for n, p in ns["model"].state_dict().items()) > 0
+
+
+def test_full_precision_gradients_are_not_rounded(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    dp_cell(shell, CPU2, """
+((model(X[:32]) - Y[:32]) ** 2).mean().backward()
+rounded = all(bool((p.grad == p.grad.to(torch.bfloat16).float()).all()) for p in model.parameters())
+""")
+    assert shell.user_ns["rounded"] is False
+
+
 def test_schedulers_and_stateful_objects_get_rank0_state(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     run_cell(shell, "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
@@ -510,6 +537,8 @@ def test_killed_kernel_leaves_no_worker_behind(tmp_path):
     (f"{CPU2} --bucket-mb nan", "positive, finite number of MB"),
     (f"{CPU2} --seed 99999999999999999999", "a seed is a whole number from 0 to"),
     (f"{CPU2} --seed -1", "a seed is a whole number from 0 to"),
+    (f"{CPU2} --grad-dtype int8", "fp32, bf16, fp16"),
+    (f"{CPU2} --strategy dp --grad-dtype bf16", "--strategy ddp"),
 ])
 def test_unreasonable_options_are_refused_before_any_process(shell, line, says):
     run_cell(shell, SETUP.format(shuffle=False))

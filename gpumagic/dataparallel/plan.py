@@ -41,6 +41,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     remote: int = 0                     # ranks joining from other machines
     listen: str | None = None           # the address other machines reach this kernel at
+    grad_dtype: str = "fp32"            # the dtype gradients are all-reduced in
 
     @property
     def world_size(self) -> int:
@@ -55,7 +56,8 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
               models: str | None = None, backend: str | None = None, timeout: float | None = None,
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
               find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
-              listen: str | None = None, oversubscribe: bool = False, gpus=None) -> Plan:
+              listen: str | None = None, oversubscribe: bool = False, grad_dtype: str | None = None,
+              gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -65,6 +67,7 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     strategy = (strategy or "ddp").lower()
     backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
     check_seed(seed)
+    grad_dtype = _check_grad_dtype(grad_dtype, strategy)
     notes: list[str] = []
     listed = _listed_devices(devices, gpus)
     chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
@@ -81,7 +84,18 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     if remote:
         listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
     return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen)
+                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype)
+
+
+def _check_grad_dtype(grad_dtype: str | None, strategy: str) -> str:
+    from .wrapping import GRAD_DTYPES
+    grad_dtype = (grad_dtype or "fp32").lower()
+    if grad_dtype not in GRAD_DTYPES:
+        raise usage_error(f"--grad-dtype {grad_dtype!r} is not a gradient dtype", GRAD_DTYPES)
+    if grad_dtype != "fp32" and strategy != "ddp":
+        raise usage_error(f"--grad-dtype {grad_dtype} compresses DDP's all-reduce: it needs --strategy ddp",
+                          ["--strategy ddp"])
+    return grad_dtype
 
 
 def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_count: int) -> str | None:

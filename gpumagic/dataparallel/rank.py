@@ -26,7 +26,7 @@ from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
-from .wrapping import RankDevice, cell_ddp_class
+from .wrapping import RankDevice, cell_ddp_class, compressed_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
         inner[name] = module
         if any(p.requires_grad for p in module.parameters()):
             ns[name] = wrapper_cls(module, **ddp_kwargs)
+            if meta["ddp"].get("grad_dtype", "fp32") != "fp32":
+                ns[name].register_comm_hook(None, compressed_allreduce(meta["ddp"]["grad_dtype"]))
     return inner
 
 

@@ -182,7 +182,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "loop_targets": loop_targets(compiled.tree),
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
-        "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb},
+        "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
+                "grad_dtype": plan.grad_dtype},
     }
     results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
     t_ranks_done = time.monotonic()

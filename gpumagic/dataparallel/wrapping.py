@@ -1,7 +1,8 @@
 """What a rank changes so that a cell written for one device trains on its own.
 
 * :func:`cell_ddp_class` - DistributedDataParallel that answers like the module it wraps;
-* :class:`RankDevice` - ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean the rank's GPU.
+* :class:`RankDevice` - ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean the rank's GPU;
+* :func:`compressed_allreduce` - gradients all-reduced in bf16 or fp16 (``--grad-dtype``).
 
 Runs in the workers: no IPython.
 """
@@ -10,9 +11,40 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["cell_ddp_class", "RankDevice", "CUDA_STRING"]
+__all__ = ["cell_ddp_class", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce"]
 
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
+GRAD_DTYPES = ("fp32", "bf16", "fp16")   # what --grad-dtype takes
+
+
+def compressed_allreduce(grad_dtype: str):
+    """A DDP communication hook that averages each gradient bucket in ``grad_dtype`` ("bf16", "fp16").
+
+    Half the bytes on the wire; the gradient the optimizer sees is the
+    average rounded to that type (bf16 keeps 8 bits of mantissa). Each
+    bucket is divided by the world size before the cast, as torch's
+    ``fp16_compress_hook`` does, so the sum cannot overflow fp16. Unlike
+    torch's ``bf16_compress_hook`` it needs no NCCL: gloo reduces bf16 too.
+
+    >>> ddp_model.register_comm_hook(None, compressed_allreduce("bf16"))   # doctest: +SKIP
+    """
+    import torch
+    import torch.distributed as dist
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[grad_dtype]
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(compressed, async_op=True).get_future()
+
+        def decompress(done):
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    hook.__name__ = f"{grad_dtype}_allreduce"
+    return hook
 
 
 def _make_cell_ddp():

@@ -70,6 +70,9 @@ class DataParallelMagics(Magics):
     @argument("--find-unused", action="store_true",
               help="DDP find_unused_parameters=True: for models whose forward skips some parameters")
     @argument("--bucket-mb", type=float, default=None, help="DDP gradient bucket size in MB (default 25)")
+    @argument("--grad-dtype", default=None, metavar="{fp32,bf16,fp16}",
+              help="all-reduce gradients in this dtype: bf16 or fp16 halve the bytes, rounding the "
+                   "averaged gradient (default fp32)")
     @argument("--remote", type=int, default=None,
               help="N more ranks that join from other machines (python -m gpumagic.procs.remote join ...)")
     @argument("--listen", default=None,
@@ -114,7 +117,8 @@ class DataParallelMagics(Magics):
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
-                         remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe)
+                         remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe,
+                         grad_dtype=args.grad_dtype)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()
