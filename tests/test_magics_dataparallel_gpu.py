@@ -192,6 +192,31 @@ def test_dp_strategy_splits_calls_and_warns(shell):
     torch.testing.assert_close(value.sum(), ns["summed"](ns["xb"]), atol=1e-4, rtol=1e-4)
 
 
+def test_bf16_gradients_through_nccl_are_rounded_and_train_like_fp32(shell):
+    run_cell(shell, SETUP.format(where="cpu"))
+    ns = shell.user_ns
+    ref = _reference(ns)
+    dp_cell(shell, "--grad-dtype bf16", TRAIN + """
+opt.zero_grad()
+((model(X[:64].to(device)) - Y[:64].to(device)) ** 2).mean().backward()
+rounded = all(bool((p.grad == p.grad.to(torch.bfloat16).float()).all()) for p in model.parameters())
+""")
+    assert ns["rounded"] is True
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref.state_dict()[name].cpu(), atol=2e-2, rtol=0)
+
+
+def test_progress_reads_each_ranks_gpu_load_from_nvml():
+    from gpumagic.dataparallel.progress import Progress
+    progress = Progress(["cuda:0", "cuda:1"], shell=None)
+    progress.update(0, {"steps": 1, "samples": 2, "seconds": 1.0})
+    rows = progress.rows()
+    assert progress.header[-2:] == ["GPU util", "GPU memory"]
+    for row in rows:
+        assert row[-2].endswith("%") and 0 <= int(row[-2][:-1]) <= 100
+        assert "GiB" in row[-1] or "MiB" in row[-1]
+
+
 def test_status_names_the_gpus(shell):
     run_cell(shell, SETUP.format(where="cuda:0"))
     dp_cell(shell, "--nprocs 2", "w = float(model(X[:2].cuda()).sum())\n")
