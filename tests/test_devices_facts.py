@@ -5,7 +5,10 @@ import pytest
 
 from gpumagic import devices
 from gpumagic.devices import nvml
+from gpumagic.devices.facts import device_report
+from gpumagic.magics.info import render_report
 from tests.fake_nvml import fabric_machine, four_gpu_machine, installed
+from tests.test_devices_memory import pretend_cuda_initialised_with_failing_allocator
 
 
 @pytest.fixture
@@ -37,3 +40,24 @@ def test_fabric_links_and_multiprocessors_from_core_count():
         assert facts["multiprocessors"] == 132  # 16896 cores / 128 per SM on compute capability 9.0
     finally:
         nvml.use(None)
+
+
+def test_allocator_rows_only_once_cuda_is_initialised(machine, no_cuda_init):
+    report = device_report()
+    assert all("torch_allocated" not in d for d in report["devices"])
+    assert "torch allocated" not in render_report(report).text
+
+
+def test_a_failing_allocator_query_leaves_the_report_whole(machine, monkeypatch):
+    # A query of torch's caching allocator that raises (a CUDA error left behind by a crashed kernel)
+    # costs its three figures, not %gpuinfo.
+    lazy_inits = pretend_cuda_initialised_with_failing_allocator(monkeypatch)
+    report = device_report()
+    gpus = [d for d in report["devices"] if d["device"].startswith("cuda:")]
+    assert len(gpus) == 4 and report["system"]["cuda_initialized"]
+    for facts in gpus:
+        assert (facts["torch_allocated"], facts["torch_reserved"], facts["torch_peak"]) == (None, None, None)
+        assert facts["memory_total"] == 141 * 2**30
+    text = render_report(report).text
+    assert "torch allocated" in text and "n/a" in text
+    assert lazy_inits == []

@@ -3,7 +3,8 @@
 :func:`device_report` gathers them: :func:`gpu_facts` per GPU (NVML),
 :func:`cpu_facts` for the CPU (psutil), :func:`system_facts` for the driver
 and torch, and every CUDA attribute through pycuda on request. Everything
-comes from NVML and psutil, so nothing here initialises CUDA.
+comes from NVML and psutil, so nothing here initialises CUDA; torch's
+allocator figures (:func:`.memory.torch_allocator`) join once the user has.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from . import nvml
 from .discovery import Gpu, multiprocessors, normalize_bus_id, torch_cuda_initialized, visible_gpus
+from .memory import torch_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
         if device in (None, gpu.device):
             facts = gpu_facts(gpu, gpus) if nvml.available() else {"device": gpu.device, "name": gpu.name,
                                                                    "uuid": gpu.uuid}
-            facts.update(_torch_allocator(gpu.index))
+            if torch_cuda_initialized():  # the allocator rows: None (n/a) where torch cannot answer
+                facts["torch_allocated"], facts["torch_reserved"], facts["torch_peak"] = torch_allocator(gpu.index)
             found.append(facts)
     if device in ("meta", "mps"):
         found.append({"device": device, "name": _OTHER_DEVICES[device]})
@@ -57,18 +60,6 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     if with_pycuda:
         _add_pycuda(report)
     return report
-
-
-def _torch_allocator(index: int) -> dict:
-    """torch's caching-allocator figures, only where the user already initialised CUDA."""
-    if not torch_cuda_initialized():
-        return {}
-    import torch
-    return {
-        "torch_allocated": torch.cuda.memory_allocated(index),
-        "torch_reserved": torch.cuda.memory_reserved(index),
-        "torch_peak": torch.cuda.max_memory_allocated(index),
-    }
 
 
 def _add_pycuda(report: dict) -> None:

@@ -24,7 +24,7 @@ from .variables import variable_memory  # re-exported: notebooks import it from 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory", "targets",
-           "variable_memory"]
+           "torch_allocator", "variable_memory"]
 
 
 @dataclass
@@ -176,10 +176,13 @@ def _pid_exists(pid: int) -> bool:
         return False
 
 
-def _torch_allocator(index: int) -> tuple[int | None, int | None, int | None]:
-    """(allocated, reserved, peak) for ``cuda:index``; ``None``s until CUDA is initialised.
+def torch_allocator(index: int) -> tuple[int | None, int | None, int | None]:
+    """(allocated, reserved, peak) bytes of torch's caching allocator on ``cuda:index``.
 
-    These read the caching allocator's host-side counters: no context is made.
+    ``None``s until this process has initialised CUDA, and where torch cannot
+    answer (the query raised: logged at debug). These read the allocator's
+    host-side counters: nothing initialises CUDA or makes a context, and
+    nothing raises. ``%gpumem`` and ``%gpuinfo`` both show these figures.
     """
     if not devices.torch_cuda_initialized():
         return None, None, None
@@ -266,7 +269,7 @@ def _gpu_memory(gpu, processes: bool = True) -> DeviceMemory:
     else:
         row.process_note = "needs NVML"
         row.note = f"{gpu.device}: NVML is unavailable and this kernel has no CUDA context there"
-    row.allocated, row.reserved, row.peak = _torch_allocator(gpu.index)
+    row.allocated, row.reserved, row.peak = torch_allocator(gpu.index)
     return row
 
 
