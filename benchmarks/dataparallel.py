@@ -10,9 +10,11 @@ global batch in every column:
   the most DDP over 2 GPUs can reach when a step costs the same at any batch size
   (launch-bound models), whatever the communication;
 * ``nn.DataParallel``: ``nn.DataParallel(model, [0, 1])`` in this process;
-* ``DDP (hand-written)``: a torchrun-style script (env rendezvous,
+* ``DDP (hand-written)``: the script people write by hand (``init_process_group``,
   ``DistributedSampler``, ``DDP(model, device_ids=[rank])``), one process per GPU
-  started with ``torch.multiprocessing``;
+  started with ``torch.multiprocessing.spawn``; the ranks meet through a file in a
+  private temporary directory (``file://`` rendezvous), not a TCP port that another
+  process could take between its choice and the ranks' bind;
 * ``%%dataparallel``: the same loop as a notebook cell run through a real IPython
   ``InteractiveShell`` (worker pool, DDP, weights back into the notebook);
 * ``%%dataparallel --strategy dp``: the cell in this process, calls of the model
@@ -38,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import textwrap
@@ -123,6 +124,9 @@ def make_loss(kind):
 '''
 
 exec(COMMON, globals())
+# What COMMON defines, named here for readers and linters (exec hides them).
+SyntheticSet, passthrough, sync, make_model, shapes, make_loss = (
+    globals()[name] for name in ("SyntheticSet", "passthrough", "sync", "make_model", "shapes", "make_loss"))
 _SCRIPT_MAIN = sys.modules.get("__main__")   # IPython replaces it; spawn needs this one to find our functions
 
 STEP = """
@@ -199,20 +203,19 @@ def in_process(kind, quick, device, batch, warmup, steps, seconds, chunk, wrap=N
 
 # ------------------------------------------------------------------ hand-written DDP (torchrun-style)
 
-def hand_ddp_worker(rank, world, kind, quick, port, warmup, steps, result_path):
+def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_path):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     cuda = torch.cuda.is_available() and not quick
     if cuda:
         torch.cuda.set_device(rank)
         torch.backends.cudnn.benchmark = True
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # as the pool's CPU workers do
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
     torch.manual_seed(0)
     gbatch, shape, classes = shapes(kind, quick)
     device = f"cuda:{rank}" if cuda else "cpu"
@@ -232,13 +235,14 @@ def hand_ddp_worker(rank, world, kind, quick, port, warmup, steps, result_path):
 
 def hand_ddp(kind, quick, world, warmup, steps) -> dict:
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:   # mkdtemp: this user's alone, and new each time
         path = os.path.join(tmp, "result.json")
+        rendezvous = os.path.join(tmp, "rendezvous")   # the ranks' FileStore: no port to lose to another process
         t0 = time.perf_counter()
         saved = sys.modules.get("__main__")
         sys.modules["__main__"] = _SCRIPT_MAIN
         try:
-            mp.spawn(hand_ddp_worker, args=(world, kind, quick, free_port(), warmup, steps, path), nprocs=world)
+            mp.spawn(hand_ddp_worker, args=(world, kind, quick, rendezvous, warmup, steps, path), nprocs=world)
         finally:
             sys.modules["__main__"] = saved
         wall = time.perf_counter() - t0
@@ -248,12 +252,6 @@ def hand_ddp(kind, quick, world, warmup, steps) -> dict:
     out["samples_per_s"] = out["steps"] * gbatch / out["elapsed"]
     out["wall"] = wall
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ through IPython
@@ -352,7 +350,9 @@ def main(argv=None) -> None:
         results.append((column, out))
         return out
 
-    for kind in kinds:
+    def one_model(kind):
+        """Every column for one model; its rows join ``rows``, its overheads ``overheads``."""
+        nonlocal first_cell
         gbatch = shapes(kind, quick)[0]
         name = {"resnet50": "ResNet-50", "mlp": "MLP", "transformer": "Transformer"}[kind]
         results: list = []
@@ -363,7 +363,7 @@ def main(argv=None) -> None:
             import traceback
             traceback.print_exc()
             rows.append([name, str(gbatch), "(all)", "error", f"{type(exc).__name__}: {exc}"[:120], "-"])
-            continue
+            return
         rate = probe["steps"] / probe["elapsed"]
         warmup = max(5, math.ceil(rate * 1.0))
         steps = max(10, round(rate * seconds * 1.8 / 2) * 2)   # about `seconds` for a 1.8x faster column
@@ -442,6 +442,9 @@ def main(argv=None) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(text_table([r for r in rows if r[0] == name], header), flush=True)
+
+    for kind in kinds:
+        one_model(kind)
     shell.run_line_magic("dataparallel", "stop")
     total = time.perf_counter() - t_start
     print()
