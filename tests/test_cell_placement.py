@@ -12,15 +12,28 @@ import pytest
 import torch
 import torch.nn as nn
 
+from gpumagic.cell.device_values import (
+    DeviceName,
+    set_process_device,
+    settle,
+    settle_note,
+    stand_in,
+    stands_for_cell_device,
+)
 from gpumagic.cell.placement import (
     HELPER,
     LEGACY_TYPES,
     Placement,
+    follow,
+    follow_process,
+    helper_name,
     install_passthrough,
+    made_for,
     modules_on,
     passthrough,
     rewrite_placement,
 )
+from gpumagic.cell.placement_cuda import HostEvent, HostStream, NoCudaAnswer
 
 TARGETS = ["cpu", "meta"]
 DTYPES = {
@@ -322,3 +335,205 @@ def test_placement_pickles_as_passthrough():
     clone = pickle.loads(pickle.dumps(Placement("meta")))
     assert clone is passthrough() and clone.target is None
     assert clone.map("cuda:3") == "cuda:3"
+
+
+# -- functions made in a cell follow where they run ----------------------------------------
+
+CELL_FUNCTIONS = """
+def make():
+    return torch.zeros(2)
+def to_gpu(x):
+    return x.to('cuda')
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+"""
+
+
+def made_in_cell(src: str, device: str) -> dict:
+    """``src`` as a ``%%ondevice DEVICE`` cell writes it: rewritten for the device's helper name."""
+    ns = {"torch": torch, "nn": nn}
+    tree, _ = rewrite_placement(ast.parse(textwrap.dedent(src)), ns, helper_name(device))
+    ns[helper_name(device)] = made_for(device)
+    with follow(device):
+        exec(compile(tree, "<cell>", "exec"), ns)
+    return ns
+
+
+def test_functions_made_for_a_device_follow_where_they_run():
+    ns = made_in_cell(CELL_FUNCTIONS, "meta")
+    assert helper_name("meta") == "__gpumagic_device_meta__" and helper_name("cuda:1") == "__gpumagic_device_cuda_1__"
+    # A plain cell: the device they were made for.
+    assert on(ns["make"](), "meta") and on(ns["to_gpu"](torch.ones(1)), "meta") and ns["Net"]().fc.weight.is_meta
+    with follow("cpu"):                            # a later %%ondevice cpu cell
+        assert on(ns["make"](), "cpu") and on(ns["to_gpu"](torch.ones(1)), "cpu")
+        assert on(ns["Net"]().fc.weight, "cpu")
+        with follow("meta"):                       # nested
+            assert on(ns["make"](), "meta")
+        assert on(ns["make"](), "cpu")
+    assert on(ns["make"](), "meta")
+    assert made_for("meta") is ns[helper_name("meta")]
+
+
+def test_made_for_placement_pickles_as_the_receivers_own():
+    placement = made_for("meta")
+    assert pickle.loads(pickle.dumps(placement)) is placement    # in the kernel: the same object
+    try:
+        follow_process("cpu")                     # what a %%dataparallel rank on cpu does at start-up
+        assert placement.target == torch.device("cpu")
+        assert made_for("cuda:3").target == torch.device("cpu")
+        ns = made_in_cell("def make():\n    return torch.zeros(2)\n", "meta")
+        assert on(ns["make"](), "cpu")
+    finally:
+        follow_process(None)
+    assert placement.target == torch.device("meta") and made_for("cuda:3").target == torch.device("cuda:3")
+
+
+# -- values that stand for the cell's device ------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_settle_makes_device_values_hold_the_cells_device(target):
+    ns = {"a": "cuda", "b": "cuda:1", "c": torch.device("cuda"), "d": "cpu", "e": torch.device("cpu"),
+          "f": 3, "g": DeviceName("cuda"), "h": "cudax"}
+    changed = settle(ns, list(ns) + ["missing"], target)
+    assert [name for name, _, _ in changed] == ["a", "b", "c", "g"]
+    for name in "abcg":
+        assert ns[name] == (torch.device(target) if name == "c" else target) and stands_for_cell_device(ns[name])
+    assert type(ns["a"]) is DeviceName and isinstance(ns["a"], str) and str(ns["a"]) == target
+    assert ns["c"] is stand_in(target) and ns["c"] is not stand_in("cuda:5")
+    assert (ns["d"], ns["e"], ns["f"], ns["h"]) == ("cpu", torch.device("cpu"), 3, "cudax")   # said as such
+    assert not stands_for_cell_device(ns["d"]) and not stands_for_cell_device(ns["e"])
+    assert settle_note(changed, target).startswith(f"after the cell on {target}, a is '{target}' (what 'cuda' meant")
+
+
+def test_settle_keeps_a_name_that_already_names_the_device():
+    ns = {"t": "cuda", "i": "cuda:0"}
+    assert settle(ns, ["t", "i"], "cuda:0") == []              # 'cuda' is cuda:0 in the kernel
+    assert ns["t"] == "cuda" and type(ns["t"]) is DeviceName and ns["i"] == "cuda:0"
+    assert settle(ns, ["t"], "cuda:1") == [("t", "cuda", "cuda:1")]
+
+
+def test_stand_ins_follow_a_later_cell():
+    ns = {"device": DeviceName("cpu"), "dev": stand_in("cpu"), "x": torch.ones(2)}
+    out = run("a = x.to(device)\nb = torch.zeros(2, device=dev)\nc = torch.device(device)\n"
+              "e = x.to('cpu')\nf = torch.device('cpu')", "meta", ns)
+    assert on(out["a"], "meta") and on(out["b"], "meta") and out["c"] == torch.device("meta")
+    assert on(out["e"], "cpu") and out["f"] == torch.device("cpu")   # CPU said as such stays CPU
+    same = run("a = x.to(device)", "cpu", ns)
+    assert same["a"] is ns["x"]          # already there: no copy (a 'cuda' spelling would copy, as .cuda() does)
+
+
+def test_device_name_travels_as_the_workers_device_and_back():
+    name = DeviceName("cpu")
+    assert pickle.loads(pickle.dumps(name)) == "cpu"
+    try:
+        set_process_device("cuda:1")                    # unpickled in a worker on cuda:1
+        there = pickle.loads(pickle.dumps(name))
+    finally:
+        set_process_device(None)
+    assert there == "cuda:1" and there.home == "cpu"
+    back = pickle.loads(pickle.dumps(there))            # rank 0 returns it to the kernel
+    assert back == "cpu" and type(back) is DeviceName
+
+
+# -- torch.accelerator and the rest of torch.cuda on a device without CUDA ----------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_torch_accelerator_follows_the_target(target):
+    cuda_before = torch.cuda.is_initialized()
+    ns = run("""
+        avail = torch.accelerator.is_available()
+        acc = torch.accelerator.current_accelerator()
+        kind = torch.accelerator.current_accelerator().type
+        count = torch.accelerator.device_count()
+        index = torch.accelerator.current_device_index()
+        torch.accelerator.set_device_index(0)
+        torch.accelerator.synchronize()
+        with torch.accelerator.device_index(0):
+            t = torch.ones(2).to(acc)
+        allocated = torch.accelerator.memory_allocated()
+        torch.accelerator.empty_cache()
+    """, target)
+    assert (ns["avail"], ns["count"], ns["index"], ns["allocated"]) == (True, 1, 0, 0)
+    assert ns["acc"] == torch.device(target) and stands_for_cell_device(ns["acc"])
+    assert ns["kind"] == target and type(ns["kind"]) is DeviceName
+    assert on(ns["t"], target)
+    assert torch.cuda.is_initialized() == cuda_before
+
+
+def test_torch_accelerator_passes_through_without_a_target():
+    tree, _ = rewrite_placement(ast.parse("a = torch.accelerator.is_available()\n"
+                                          "k = torch.accelerator.current_accelerator()\n"
+                                          "n = torch.accelerator.device_count()"), {"torch": torch})
+    ns = {"torch": torch, HELPER: Placement(None)}
+    exec(compile(tree, "<cell>", "exec"), ns)
+    assert (ns["a"], ns["k"], ns["n"]) == (torch.accelerator.is_available(), torch.accelerator.current_accelerator(),
+                                           torch.accelerator.device_count())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_torch_cuda_queries_answer_for_the_target(target):
+    cuda_before = torch.cuda.is_initialized()
+    ns = run("""
+        name = torch.cuda.get_device_name(0)
+        counters = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(0), torch.cuda.max_memory_allocated(),
+                    torch.cuda.memory_cached()]
+        stats = torch.cuda.memory_stats()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        a = torch.cuda.FloatTensor([1., 2.])
+        where = a.get_device()
+        elsewhere = torch.zeros(1, device='cpu').get_device()
+    """, target)
+    if target == "cpu":
+        from gpumagic.devices.facts import cpu_facts
+        assert ns["name"] == cpu_facts()["name"]
+    else:
+        assert ns["name"] == "meta"
+    assert ns["counters"] == [0, 0, 0, 0] and ns["stats"] == {}
+    assert ns["where"] == 0                                   # a tensor on DEVICE: GPU 0, which DEVICE stands for
+    assert ns["elsewhere"] == (0 if target == "cpu" else -1)  # torch's own answer for a CPU tensor
+    assert torch.cuda.is_initialized() == cuda_before
+
+
+def test_torch_cuda_queries_without_an_answer_say_why():
+    free, total = run("m = torch.cuda.mem_get_info()", "cpu")["m"]
+    assert 0 < free <= total
+    for call in ("torch.cuda.get_device_capability()", "torch.cuda.get_device_properties(0)"):
+        with pytest.raises(NoCudaAnswer, match=r"has no answer under %%ondevice cpu: it asks about a GPU"):
+            run(f"p = {call}", "cpu")
+    with pytest.raises(NoCudaAnswer, match=r"torch.cuda.mem_get_info\(\) has no answer under %%ondevice meta"):
+        run("m = torch.cuda.mem_get_info()", "meta")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_streams_and_events_on_a_device_without_streams(target):
+    # torch's CUDA semantics notes, as the seed article quotes them, then the corrected form.
+    ns = run("""
+        cuda = torch.device('cuda')
+        s = torch.cuda.Stream()  # Create a new stream.
+        A = torch.empty((100, 100), device=cuda).normal_(0.0, 1.0)
+        with torch.cuda.stream(s):
+            # because sum() may start execution before normal_() finishes!
+            B = torch.sum(A)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            C = A * 2
+        A.record_stream(s)
+        torch.cuda.current_stream().wait_stream(s)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        D = A @ A
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        default = torch.cuda.default_stream()
+    """, target)
+    assert isinstance(ns["s"], HostStream) and ns["s"].query() and isinstance(ns["default"], HostStream)
+    assert on(ns["B"], target) and on(ns["C"], target) and on(ns["D"], target)
+    assert ns["ms"] >= 0
+    if target == "cpu":
+        assert torch.allclose(ns["B"], ns["A"].sum()) and torch.equal(ns["C"], ns["A"] * 2)
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        HostEvent().elapsed_time(HostEvent())

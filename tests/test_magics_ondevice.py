@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpumagic import session
-from gpumagic.cell.placement import HELPER
+from gpumagic.cell.placement import HELPER, helper_name
 from gpumagic.devices import visible_gpus
 from gpumagic.errors import UsageError
 from tests.conftest import run_cell
@@ -72,6 +72,98 @@ z
         assert ns["z"].tolist() == [4.0, 6.0] and ns["b"].tolist() == [1.0, 2.0]
         assert ns["model"](torch.ones(3, 20)).shape == (3, 4)
     assert torch.cuda.is_initialized() == cuda_before   # the torch.cuda calls never started CUDA
+
+
+ARTICLE_QUERIES = """%%ondevice {device}
+import torch
+torch.cuda.is_available()
+# True
+torch.cuda.current_device()
+# 0
+name = torch.cuda.get_device_name(0) # Get name device with ID '0'
+# Returns the current GPU memory usage by
+# tensors in bytes for a given device
+allocated = torch.cuda.memory_allocated()
+# Returns the current GPU memory managed by the
+# caching allocator in bytes for a given device
+cached = torch.cuda.memory_cached()
+torch.cuda.empty_cache()
+a = torch.cuda.FloatTensor([1., 2.])
+index = a.get_device()
+torch.cuda.set_device(2) # where '2' is Id of device
+import os
+os.environ["CUDA_VISIBLE_DEVICES"] = "0,2"
+"""
+
+ARTICLE_STREAM = """%%ondevice {line}
+cuda = torch.device('cuda')
+s = torch.cuda.Stream()  # Create a new stream.
+A = torch.empty((100, 100), device=cuda).normal_(0.0, 1.0)
+with torch.cuda.stream(s):
+    # because sum() may start execution before normal_() finishes!
+    B = torch.sum(A)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_seed_article_queries_as_written(shell, device, monkeypatch):
+    monkeypatch.setitem(__import__("os").environ, "CUDA_VISIBLE_DEVICES", "")   # the cell sets it
+    cuda_before = torch.cuda.is_initialized()
+    ok(shell, ARTICLE_QUERIES.format(device=device))
+    ns = shell.user_ns
+    if device == "cpu":
+        from gpumagic.devices.facts import cpu_facts
+        assert ns["name"] == cpu_facts()["name"]          # the CPU's own name
+    else:
+        assert ns["name"] == "meta"
+    assert (ns["allocated"], ns["cached"], ns["index"]) == (0, 0, 0)
+    assert ns["a"].device.type == device
+    assert torch.cuda.is_initialized() == cuda_before
+
+
+@pytest.mark.parametrize("line", ["cpu", "meta", "cpu --stream", "meta --stream --sync"])
+def test_seed_article_stream_snippet_as_written(shell, line):
+    ok(shell, "import torch")
+    _, out = ok(shell, ARTICLE_STREAM.format(line=line))
+    ns = shell.user_ns
+    device = line.split()[0]
+    assert ns["B"].device.type == device and ns["A"].device.type == device
+    assert repr(ns["s"]) == f"<HostStream on {device}: runs in program order>"
+    if device == "cpu":
+        assert torch.allclose(ns["B"], ns["A"].sum())
+    said = f"--stream: {device} runs the cell's work in program order, so there is no stream to order"
+    assert (said in out) == ("--stream" in line)
+    assert "after the cell" not in out       # torch.device('cuda') was rewritten: cuda already holds DEVICE
+    assert ns["cuda"] == torch.device(device)
+
+
+def test_a_cuda_query_without_an_answer_says_why_at_the_users_line(shell):
+    ok(shell, "import torch")
+    err, out, result = fails(shell, "%%ondevice cpu\nx = 1\ncap = torch.cuda.get_device_capability()\n")
+    assert type(err).__name__ == "NoCudaAnswer" and isinstance(err, RuntimeError)
+    assert str(err) == ("torch.cuda.get_device_capability() has no answer under %%ondevice cpu: it asks about a GPU, "
+                        "and cpu is not one. Run the cell on a GPU (%%ondevice cuda:0), or leave the call out of it.")
+    assert f"Cell In[{result.execution_count}], line 3" in out and "gpumagic" not in out
+
+
+def test_device_values_hold_the_cells_device_afterwards(shell):
+    ok(shell, "import torch")
+    _, out = ok(shell, '%%ondevice cpu\ndevice = "cuda" if torch.cuda.is_available() else "cpu"\n'
+                       'inside = device\ngpu = torch.device("cuda:0")\nexplicit = "cpu"\n')
+    ns = shell.user_ns
+    assert ns["inside"] == "cpu" and ns["device"] == "cpu" and ns["gpu"] == torch.device("cpu")
+    assert ("after the cell on cpu, device is 'cpu' (what 'cuda' meant in it); "
+            "inside is 'cpu' (what 'cuda' meant in it)\n") in out
+    ok(shell, "x = torch.ones(2).to(device)\ny = torch.zeros(1, device=gpu)")   # a plain cell
+    assert ns["x"].device.type == "cpu" and ns["y"].device.type == "cpu"
+    ok(shell, "%%ondevice meta\nz = torch.ones(2).to(device)\nw = torch.ones(1, device=explicit)\n")
+    assert ns["z"].is_meta and ns["w"].device.type == "cpu"     # the cell's device; CPU said as such
+    assert ns["device"] == "cpu"                                  # not rebound by the meta cell
+
+
+def test_no_rewrite_leaves_device_values_alone(shell):
+    ok(shell, "%%ondevice meta --no-rewrite\ndevice = 'cuda'\n")
+    assert shell.user_ns["device"] == "cuda" and type(shell.user_ns["device"]) is str
 
 
 def test_factories_and_modules_on_meta(shell):
@@ -146,15 +238,15 @@ def test_getsource_of_function_defined_in_cell(shell):
     assert shell.user_ns["src"] == "def helper(x):\n    '''Double it.'''\n    return x.cuda() * 2\n"
 
 
-def test_functions_from_cell_pass_through_later(shell):
+def test_functions_from_cell_follow_where_they_run(shell):
     ok(shell, "import torch")
     ok(shell, "%%ondevice meta\ndef make():\n    return torch.zeros(2)\ninside = make()\n")
     assert shell.user_ns["inside"].is_meta
-    assert HELPER not in shell.user_ns
+    assert HELPER not in shell.user_ns and helper_name("meta") in shell.user_ns_hidden
     ok(shell, "outside = make()")
-    assert shell.user_ns["outside"].device.type == "cpu"
-    ok(shell, "%%ondevice meta\nagain = make()\n")
-    assert shell.user_ns["again"].is_meta
+    assert shell.user_ns["outside"].is_meta                 # a plain cell: the device it was made for
+    ok(shell, "%%ondevice cpu\nagain = make()\n")
+    assert shell.user_ns["again"].device.type == "cpu"      # another %%ondevice cell: that cell's device
 
 
 def test_other_ast_transformers_apply(shell):

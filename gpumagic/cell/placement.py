@@ -18,15 +18,25 @@ Two parts, which change together:
   ``ast.NodeTransformer``. Rewritten calls go through one helper name,
   :data:`HELPER`, so the cell's own names are never touched; new nodes carry
   the user's line numbers.
-* :class:`Placement` (here), the object bound to :data:`HELPER` while the cell runs.
-  ``Placement(None)`` passes every call through unchanged; it is what a
-  function defined in such a cell finds (in ``builtins``) when called after
-  the cell, so such functions keep their original behaviour outside
-  ``%%ondevice`` and follow the device again inside a later ``%%ondevice``
-  cell (whose own helper shadows the builtin).
+* :class:`Placement` (here), the object the helper name is bound to.
+  ``Placement(None)`` passes every call through unchanged.
 
-What "CUDA follows DEVICE" means for the rest of ``torch.cuda`` while the
-cell runs (the device stands in for "the GPU" of the notebook's author):
+Functions made in such a cell
+-----------------------------
+A ``%%ondevice X`` cell's code uses the helper name of X
+(:func:`helper_name`: ``__gpumagic_device_cpu__``), bound for good in the
+notebook to the one :func:`made_for` placement of X, so functions and classes
+defined in the cell find it whenever they run. It follows where they run:
+
+* in a plain cell, X (the device they were made for);
+* inside a later ``%%ondevice Y`` cell, Y (:func:`follow` retargets every
+  made-for placement while that cell runs);
+* in a ``%%dataparallel`` rank or a ``%%sharedtrain`` worker, that process's
+  device (:func:`follow_process`; pickled, a made-for placement arrives as
+  the receiving process's own).
+
+What "CUDA follows DEVICE" means for the rest of ``torch.cuda`` and
+``torch.accelerator`` is in :mod:`.placement_cuda`; in short:
 
 ==================================  ==================  =====================
 call                                DEVICE is cuda:k    DEVICE is cpu / meta
@@ -46,7 +56,8 @@ initialised by them. All CUDA indices map to DEVICE (``cuda:1`` too): a cell
 runs on one device. ``*_like`` factories follow their input, as under
 torch's own default device, except that an input on another CUDA device
 is followed to DEVICE. Explicit CPU placement (``device='cpu'``,
-``torch.FloatTensor(...)`` without ``.cuda()``) is left alone.
+``torch.FloatTensor(...)`` without ``.cuda()``) is left alone; values that
+stand for the cell's device (:mod:`.device_values`) follow it.
 
 Examples
 --------
@@ -62,42 +73,54 @@ from __future__ import annotations
 import builtins
 import contextlib
 import numbers
+import re
 from collections.abc import Iterator
 
+from .device_values import set_process_device, stand_in, stands_for_cell_device
+from .placement_cuda import CudaCalls
 from .placement_rewrite import HELPER, LEGACY_TYPES, PlacementRewriter, is_cuda_name, lookup, rewrite_placement
 
 __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_placement", "passthrough",
-           "install_passthrough", "modules_on"]
+           "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
 
 
-class Placement:
+class Placement(CudaCalls):
     """Where rewritten code puts things: ``Placement('cuda:1')``, or ``Placement(None)`` to pass through.
 
     Every method mirrors one CUDA spelling; with a target it lands on the
     target, without one it does exactly what the original code did.
+    ``made_for`` is the device of the cell whose code uses it (see :func:`made_for`).
     """
 
-    __slots__ = ("target", "cuda_target", "_torch", "_kind")
+    __slots__ = ("target", "cuda_target", "_torch", "_kind", "made_for")
 
-    def __init__(self, target=None):
+    def __init__(self, target=None) -> None:
         import torch
         self._torch = torch
+        self.made_for: str | None = None
+        self._aim(target)
+
+    def _aim(self, target) -> None:
         if target is None:
             self.target = None
             self.cuda_target = "cuda"   # what ``.cuda()`` means without a target
             self._kind = None
-        else:
-            self.target = torch.device(target)
-            if self.target.type == "cuda" and self.target.index is None:
-                raise ValueError("Placement needs an indexed CUDA device, e.g. 'cuda:0'")
-            self.cuda_target = self.target
-            self._kind = self.target.type
+            return
+        device = self._torch.device(target)
+        if device.type == "cuda" and device.index is None:
+            raise ValueError("Placement needs an indexed CUDA device, e.g. 'cuda:0'")
+        # The one object that stands for the device, so that values made from it keep following.
+        self.target = self.cuda_target = stand_in(device)
+        self._kind = device.type
 
     def __repr__(self):
         return f"Placement({str(self.target) if self.target is not None else None!r})"
 
     def __reduce__(self):
-        # Functions from a cell may be pickled into other processes: there they pass through.
+        # Functions from a cell may be pickled into other processes. A made-for placement arrives
+        # as the receiver's own (which follows the worker's device); any other passes through.
+        if self.made_for is not None:
+            return (made_for, (self.made_for,))
         return (passthrough, ())
 
     # -- devices -------------------------------------------------------------
@@ -108,9 +131,9 @@ class Placement:
         if target is None or device is None:
             return device
         if isinstance(device, self._torch.device):
-            return target if device.type == "cuda" else device
+            return target if device.type == "cuda" or stands_for_cell_device(device) else device
         if isinstance(device, str):
-            return target if is_cuda_name(device) else device
+            return target if is_cuda_name(device) or stands_for_cell_device(device) else device
         if isinstance(device, int) and not isinstance(device, bool):
             return target
         if isinstance(device, dict):  # torch.load(map_location={'cuda:1': 'cuda:0'})
@@ -121,7 +144,7 @@ class Placement:
         """``torch.device(...)``."""
         __tracebackhide__ = True
         made = self._torch.device(*args, **kwargs)
-        if self.target is not None and made.type == "cuda":
+        if self.target is not None and (made.type == "cuda" or (args and stands_for_cell_device(args[0]))):
             return self.target
         return made
 
@@ -173,12 +196,12 @@ class Placement:
                 mapped = self.map(first)
                 if mapped is not first:
                     args = (mapped, *args[1:])
-                    moved = True
+                    moved = not stands_for_cell_device(first)
         if "device" in kwargs:
             mapped = self.map(kwargs["device"])
             if mapped is not kwargs["device"]:
+                moved = moved or not stands_for_cell_device(kwargs["device"])
                 kwargs["device"] = mapped
-                moved = True
         if moved and is_tensor and "copy" not in kwargs and len(args) < 4 and self._copy_from_cpu(obj):
             kwargs["copy"] = True
         return obj.to(*args, **kwargs)
@@ -260,50 +283,6 @@ class Placement:
             return obj.is_cuda
         return bool(getattr(obj, "is_cuda", False)) or getattr(obj, "device", None) == self.target
 
-    # -- torch.cuda -------------------------------------------------------------
-    def cuda_is_available(self) -> bool:
-        __tracebackhide__ = True
-        return self._torch.cuda.is_available() if self.target is None else True
-
-    def cuda_device_count(self) -> int:
-        __tracebackhide__ = True
-        if self.target is None or self._kind == "cuda":
-            return self._torch.cuda.device_count()
-        return 1
-
-    def cuda_current_device(self) -> int:
-        __tracebackhide__ = True
-        if self.target is None:
-            return self._torch.cuda.current_device()
-        return self.target.index if self._kind == "cuda" else 0
-
-    def cuda_set_device(self, device) -> None:
-        __tracebackhide__ = True
-        if self.target is None:
-            return self._torch.cuda.set_device(device)
-        if self._kind == "cuda":
-            self._torch.cuda.set_device(self.target)
-        return None
-
-    def cuda_synchronize(self, device=None) -> None:
-        __tracebackhide__ = True
-        if self.target is None:
-            return self._torch.cuda.synchronize(device)
-        if self._kind == "cuda":
-            self._torch.cuda.synchronize(self.target)
-        elif self._kind == "mps":
-            self._torch.mps.synchronize()
-        return None
-
-    def cuda_device(self, device):
-        """``with torch.cuda.device(i):``."""
-        __tracebackhide__ = True
-        if self.target is None:
-            return self._torch.cuda.device(device)
-        if self._kind == "cuda":
-            return self._torch.cuda.device(self.target)
-        return contextlib.nullcontext()
-
 
 _PASSTHROUGH: Placement | None = None
 
@@ -329,6 +308,73 @@ def install_passthrough(name: str = HELPER) -> None:
         _PASSTHROUGH = Placement(None)
     if getattr(builtins, name, None) is not _PASSTHROUGH:
         setattr(builtins, name, _PASSTHROUGH)
+
+
+# -- placements of functions made in a cell ------------------------------------------------
+
+_made: dict[str, Placement] = {}    # device a cell ran on -> the placement its code uses
+_followed: list = []                 # devices of the %%ondevice cells running now, innermost last
+_process_target: str | None = None  # a worker's device (follow_process)
+
+
+def helper_name(device) -> str:
+    """The helper name the code of a cell on ``device`` uses: ``__gpumagic_device_cuda_1__``."""
+    return "__gpumagic_device_" + re.sub(r"\W", "_", str(device)) + "__"
+
+
+def _now_for(device: str):
+    if _followed:
+        return _followed[-1]
+    return _process_target if _process_target is not None else device
+
+
+def made_for(device) -> Placement:
+    """The placement used by code made in a cell on ``device``: one per device, aimed where it runs now.
+
+    Examples
+    --------
+    ::
+
+        helper = made_for("cpu")
+        helper.target                  # device(type='cpu'), in a plain cell
+        with follow("meta"):
+            helper.target              # device(type='meta'), while a %%ondevice meta cell runs
+    """
+    name = str(device)
+    placement = _made.get(name)
+    if placement is None:
+        placement = Placement(name)
+        placement.made_for = name
+        _made[name] = placement
+        if _now_for(name) != name:
+            placement._aim(_now_for(name))
+    return placement
+
+
+def _aim_all() -> None:
+    for name, placement in _made.items():
+        placement._aim(_now_for(name))
+
+
+@contextlib.contextmanager
+def follow(device) -> Iterator[None]:
+    """While active, code made in any ``%%ondevice`` cell places things on ``device``."""
+    _followed.append(str(device))
+    _aim_all()
+    try:
+        yield
+    finally:
+        _followed.pop()
+        _aim_all()
+
+
+def follow_process(device) -> None:
+    """This process is a worker on ``device``: code made in ``%%ondevice`` cells, and values that
+    stand for a cell's device, mean ``device`` here (None: back to each cell's own device)."""
+    global _process_target
+    _process_target = None if device is None else str(device)
+    set_process_device(device)
+    _aim_all()
 
 
 @contextlib.contextmanager

@@ -41,8 +41,30 @@ LIKE_FACTORIES = frozenset(f"torch.{f}" for f in (
 # Arguments that make an added ``device=`` wrong or redundant.
 _NO_DEVICE_WITH = frozenset({"device", "out", "generator", "pin_memory", None})
 
-_CUDA_CALLS = {f"torch.cuda.{n}": f"cuda_{n}" for n in (
-    "is_available", "device_count", "current_device", "set_device", "synchronize", "device")}
+# ``torch.cuda`` and ``torch.accelerator`` calls -> the helper method that answers them. The original
+# function is passed first; what each call means on DEVICE is in gpumagic.cell.placement_cuda.
+_QUERIES = ("get_device_name", "get_device_properties", "get_device_capability", "mem_get_info", "get_memory_info",
+            "memory_allocated", "memory_reserved", "memory_cached", "max_memory_allocated", "max_memory_reserved",
+            "max_memory_cached", "memory_stats", "memory_summary", "empty_cache", "empty_host_cache",
+            "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+            "reset_accumulated_memory_stats")
+_CUDA_CALLS = {
+    **{f"torch.cuda.{n}": f"cuda_{n}" for n in (
+        "is_available", "device_count", "current_device", "set_device", "synchronize", "device")},
+    "torch.cuda.Stream": "stream_new", "torch.cuda.Event": "event_new", "torch.cuda.stream": "stream_use",
+    "torch.cuda.current_stream": "stream_current", "torch.cuda.default_stream": "stream_current",
+    "torch.cuda.set_stream": "stream_set",
+    "torch.accelerator.is_available": "cuda_is_available", "torch.accelerator.device_count": "cuda_device_count",
+    "torch.accelerator.current_device_index": "cuda_current_device",
+    "torch.accelerator.current_device_idx": "cuda_current_device",
+    "torch.accelerator.set_device_index": "cuda_set_device", "torch.accelerator.set_device_idx": "cuda_set_device",
+    "torch.accelerator.synchronize": "cuda_synchronize", "torch.accelerator.device_index": "cuda_device",
+    "torch.accelerator.current_accelerator": "accelerator", "torch.accelerator.current_stream": "stream_current",
+    "torch.accelerator.set_stream": "stream_set",
+    # A name one of the two lacks still fails as written: the original is looked up first.
+    **{f"torch.{api}.{n}": "query" for api in ("cuda", "accelerator") for n in _QUERIES},
+}
+_ACCELERATOR = "torch.accelerator.current_accelerator"
 _DEVICE_KEYWORDS = ("device", "map_location")
 # ``x.to(torch.float16)`` needs no help: these keywords and dtype names never name a device.
 _TO_HARMLESS_KEYWORDS = frozenset({"dtype", "non_blocking", "copy", "memory_format"})
@@ -247,6 +269,14 @@ class PlacementRewriter(ast.NodeTransformer):
 
     # -- the rewrite -------------------------------------------------------
     def visit_Attribute(self, node: ast.Attribute):
+        inner = node.value
+        if node.attr == "type" and isinstance(node.ctx, ast.Load) and isinstance(inner, ast.Call) \
+                and self._dotted(inner.func) == _ACCELERATOR:
+            # The quickstart's ``current_accelerator().type``: a device name that stays the cell's device.
+            args = [self.visit(a) for a in inner.args]
+            for kw in inner.keywords:
+                kw.value = self.visit(kw.value)
+            return self._call("accelerator_type", [inner.func, *args], inner.keywords, node)
         self.generic_visit(node)
         if node.attr == "is_cuda" and isinstance(node.ctx, ast.Load) and self._dotted(node.value) is None:
             return self._call("is_cuda", [node.value], [], node)
@@ -272,7 +302,7 @@ class PlacementRewriter(ast.NodeTransformer):
         if name in _LEGACY_CUDA or (name in _LEGACY_CPU and self._kw(node, "device")):
             return self._call("legacy", [func, *node.args], node.keywords, node)
         if name in _CUDA_CALLS:
-            return self._call(_CUDA_CALLS[name], node.args, node.keywords, node)
+            return self._call(_CUDA_CALLS[name], [func, *node.args], node.keywords, node)
         if name in LIKE_FACTORIES:
             if node.args and not any(k.arg in ("device", None) for k in node.keywords):
                 return self._call("like", [func, *node.args], node.keywords, node)
@@ -288,7 +318,8 @@ class PlacementRewriter(ast.NodeTransformer):
         return node
 
     def _method(self, node: ast.Call, func: ast.Attribute):
-        """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.pin_memory()``."""
+        """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.pin_memory()``, ``obj.get_device()``,
+        ``obj.record_stream(s)``."""
         attr, receiver = func.attr, func.value
         if attr == "cuda":
             return self._call("cuda", [receiver, *node.args], node.keywords, node)
@@ -298,6 +329,10 @@ class PlacementRewriter(ast.NodeTransformer):
             return self._call("retype", [receiver, node.args[0]], [], node)
         if attr == "pin_memory" and not node.args and not node.keywords:
             return self._call("pin_memory", [receiver], [], node)
+        if attr == "get_device" and not node.args and not node.keywords:
+            return self._call("get_device", [receiver], [], node)
+        if attr == "record_stream" and len(node.args) == 1 and not node.keywords:
+            return self._call("record_stream", [receiver, node.args[0]], [], node)
         return node
 
     def _to_may_move(self, node: ast.Call) -> bool:

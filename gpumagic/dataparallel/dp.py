@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..cell import compile as cells
+from ..cell.placement import follow
 from ..cell.values import find_modules
 from ..display import note
 from .plan import Plan
@@ -186,7 +187,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel --strat
     ns[HELPER] = helper
     shell.user_ns_hidden[HELPER] = helper
     try:
-        value = cells.run_compiled(compiled, ns)
+        # Functions made under %%ondevice place their tensors where the model's first device is.
+        with follow(plan.devices[0]):
+            value = cells.run_compiled(compiled, ns)
     finally:
         if had is _MISSING:
             ns.pop(HELPER, None)

@@ -6,8 +6,12 @@ show ``Cell In[n], line k`` with the user's source), rewrites CUDA-specific
 placement to follow the device (:mod:`gpumagic.cell.placement`), runs it
 with the device current, and puts everything back afterwards: torch's
 default device, the current CUDA device and the current stream are what they
-were before, whether the cell succeeded or raised. ``--move`` is
-:mod:`.moves`; ``--stream`` and ``--time`` are :mod:`.streams` and :mod:`.timing`.
+were before, whether the cell succeeded or raised. Afterwards the device
+values the cell bound hold the device (``'cuda'`` becomes ``'cpu'`` after a
+cell on cpu: :mod:`gpumagic.cell.device_values`), and functions defined in it
+keep following a device wherever they run (:mod:`gpumagic.cell.placement`).
+``--move`` is :mod:`.moves`; ``--stream`` and ``--time`` are :mod:`.streams`
+and :mod:`.timing`.
 
 Examples
 --------
@@ -20,6 +24,7 @@ Examples
 """
 from __future__ import annotations
 
+import logging
 import os
 import types
 from collections.abc import Callable
@@ -29,17 +34,20 @@ from typing import Any
 
 from .. import devices
 from ..cell.compile import compile_cell, is_empty, run_compiled
-from ..cell.placement import HELPER, Placement, PlacementRewriter, install_passthrough, modules_on
+from ..cell.device_values import settle, settle_note
+from ..cell.names import names_assigned
+from ..cell.placement import PlacementRewriter, follow, helper_name, made_for, modules_on
 from ..errors import usage_error
 from .moves import Moved, apply_moves, move_note, plan_moves
 from .streams import SideStream, side_stream
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["OnDeviceOptions", "OnDeviceResult", "Moved", "run_on_device", "resolve_device",
            "plan_moves", "apply_moves"]
 
 # gpumagic/, whose frames are left out of the user's tracebacks
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_MISSING = object()
 
 
 @dataclass
@@ -168,17 +176,23 @@ def _check_torch_cuda(torch, target) -> None:
 class _CellScope:
     """What a cell changes around it while it runs, and putting it back.
 
-    ``enter()`` makes the device current, binds the placement helper and
-    places modules built during the cell (or, without the rewrite, makes the
-    device torch's default); ``exit()`` undoes all of it and restores
-    :class:`_DeviceState`, whether the cell succeeded or raised.
+    ``enter()`` makes the device current, binds the cell's helper name (for
+    good: functions made in the cell use it later, see
+    :mod:`gpumagic.cell.placement`), makes every function made in a
+    ``%%ondevice`` cell follow the device, and places modules built during the
+    cell (or, without the rewrite, makes the device torch's default);
+    ``exit()`` undoes the rest and restores :class:`_DeviceState`, whether the
+    cell succeeded or raised.
     """
 
-    def __init__(self, torch, target, namespace: dict, rewriter: PlacementRewriter | None):
-        self.torch, self.target, self.namespace, self.rewriter = torch, target, namespace, rewriter
+    def __init__(self, torch, target, shell, rewriter: PlacementRewriter | None):
+        self.torch, self.target, self.shell, self.rewriter = torch, target, shell, rewriter
         self.state = _DeviceState(torch, target)
-        self.previous_helper = namespace.get(HELPER, _MISSING)
-        self.hooks: AbstractContextManager[None] | None = None
+        self.contexts: list[AbstractContextManager[None]] = []
+
+    def _enter(self, context: AbstractContextManager[None]) -> None:
+        context.__enter__()
+        self.contexts.append(context)
 
     def enter(self) -> None:
         __tracebackhide__ = True
@@ -186,25 +200,34 @@ class _CellScope:
         if target.type == "cuda":
             torch.cuda.set_device(target)
         if self.rewriter is not None:
-            self.namespace[HELPER] = Placement(target)
-            if self.rewriter.nested:
-                install_passthrough(HELPER)
+            _bind_helper(self.shell, str(target))
+            self._enter(follow(target))
             if target.type != "cpu":
-                self.hooks = modules_on(target)
-                self.hooks.__enter__()
+                self._enter(modules_on(target))
         elif target.type != "cpu" or self.state.default is not None:
             torch.set_default_device(target)
 
     def exit(self) -> None:
         __tracebackhide__ = True
-        if self.hooks is not None:
-            self.hooks.__exit__(None, None, None)
-        if self.rewriter is not None:
-            if self.previous_helper is _MISSING:
-                self.namespace.pop(HELPER, None)
-            else:
-                self.namespace[HELPER] = self.previous_helper
+        while self.contexts:
+            self.contexts.pop().__exit__(None, None, None)
         self.state.restore()
+
+
+def _bind_helper(shell, device: str) -> None:
+    """Bind the helper name of ``device`` in the notebook (hidden from ``%who``) and in builtins.
+
+    Builtins keep functions made in the cell working after ``%reset``; the
+    notebook's binding is what travels with them to worker processes.
+    """
+    import builtins
+    name, placement = helper_name(device), made_for(device)
+    shell.user_ns[name] = placement
+    hidden = getattr(shell, "user_ns_hidden", None)
+    if isinstance(hidden, dict):
+        hidden[name] = placement
+    if getattr(builtins, name, None) is not placement:
+        setattr(builtins, name, placement)
 
 
 def _enter_side_stream(target, compiled, namespace: dict) -> tuple[Any, SideStream]:
@@ -241,7 +264,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     device = resolve_device(options.device)
     namespace = shell.user_ns
     to_move = plan_moves(namespace, options.move) if options.move else []
-    rewriter = PlacementRewriter(namespace) if options.rewrite else None
+    rewriter = PlacementRewriter(namespace, helper_name(device)) if options.rewrite else None
     try:
         compiled = compile_cell(shell, cell, header=options.header,
                                 transformers=[rewriter] if rewriter is not None else [])
@@ -260,7 +283,9 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
         if note is not None and said:
             note(said)
 
-    scope = _CellScope(torch, target, namespace, rewriter)
+    if options.stream and target.type != "cuda" and note is not None:
+        note(f"--stream: {device} runs the cell's work in program order, so there is no stream to order")
+    scope = _CellScope(torch, target, shell, rewriter)
     try:
         scope.enter()
         timer = None
@@ -292,4 +317,17 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             _synchronize(torch, target)
     finally:
         scope.exit()
+        if rewriter is not None:
+            _settle(namespace, compiled.tree, target, device, note)
     return result
+
+
+def _settle(namespace: dict, tree, target, device: str, note) -> None:
+    """What the device values the cell bound meant in it, they hold after it (:func:`settle`)."""
+    try:
+        said = settle_note(settle(namespace, names_assigned(tree), target), device)
+    except Exception:  # the cell's own outcome matters more than this tidying: logged
+        logger.warning("could not settle the cell's device values", exc_info=True)
+        return
+    if note is not None and said:
+        note(said)

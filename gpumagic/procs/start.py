@@ -27,8 +27,8 @@ from . import bytecode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["START_METHODS", "choose_start_method", "fork_unsafe_threads", "starting", "start_process",
-           "import_lazily_imported"]
+__all__ = ["START_METHODS", "choose_start_method", "fork_unsafe_threads", "autograd_threads_started", "starting",
+           "start_process", "import_lazily_imported"]
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
@@ -72,12 +72,36 @@ def fork_unsafe_threads(threads=None) -> list:
     return unsafe
 
 
+def autograd_threads_started() -> bool:
+    """Whether autograd has started its per-device threads in this process (``pt_autograd_N``).
+
+    Its first backward pass does that wherever torch sees a GPU, even for CPU
+    tensors; a child forked afterwards fails its own first backward pass
+    ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing").
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:   # not Linux: fork is not chosen there anyway
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("pt_autograd"):
+                    return True
+        except OSError:   # the thread ended meanwhile
+            continue
+    return False
+
+
 def choose_start_method(requested: str | None, device: str, cuda_initialized: bool | None = None,
-                        threads=None, platform: str | None = None) -> tuple[str, str]:
+                        threads=None, platform: str | None = None,
+                        autograd_threads: bool | None = None) -> tuple[str, str]:
     """``(method, reason)``: the requested method, else fork where safe, else a fresh process.
 
     Fork is safe when CUDA is not initialised in the kernel (a CUDA context
-    does not survive fork), the workers use the CPU, no other thread could
+    does not survive fork) nor are autograd's GPU threads running
+    (:func:`autograd_threads_started`), the workers use the CPU, no other thread could
     hold a lock, and the platform forks cleanly (not macOS). Otherwise workers
     need a fresh process: on Linux ``forkserver``, whose server imports torch
     once and then forks clean workers for this and every later cell (spawn
@@ -93,6 +117,10 @@ def choose_start_method(requested: str | None, device: str, cuda_initialized: bo
         if requested == "fork" and device.startswith("cuda"):
             raise usage_error(f"--start-method fork cannot be used with a model on {device}: CUDA does not "
                               "survive fork", [m for m in ("spawn", "forkserver") if m in available])
+        if requested == "fork" and (autograd_threads if autograd_threads is not None else autograd_threads_started()):
+            raise usage_error("--start-method fork cannot be used after a backward pass in this kernel on a machine "
+                              "with a GPU: autograd's threads do not survive fork",
+                              [m for m in ("spawn", "forkserver") if m in available])
         return requested, "requested"
     platform = platform or sys.platform
     fresh = "forkserver" if platform.startswith("linux") and "forkserver" in available else "spawn"
@@ -105,6 +133,8 @@ def choose_start_method(requested: str | None, device: str, cuda_initialized: bo
         cuda_initialized = torch_cuda_initialized()
     if cuda_initialized:
         return fresh, f"CUDA is initialised in this kernel, and would be unusable after fork, so {how}"
+    if autograd_threads if autograd_threads is not None else autograd_threads_started():
+        return fresh, f"autograd's GPU threads run in this kernel (after a backward pass) and fail after fork, so {how}"
     if platform == "darwin" or "fork" not in available:
         return "spawn", "fork is not safe on this platform"
     unsafe = fork_unsafe_threads(threads)

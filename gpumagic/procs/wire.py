@@ -30,7 +30,9 @@ Where tensors land on the receiving side (``targets``, by ``id`` of the tensor):
   optimizer state, which the optimizer's own ``load_state_dict`` then places
   beside its parameter.
 
-``torch.device("cuda:k")`` values arrive as the receiver's own device.
+``torch.device("cuda:k")`` values arrive as the receiver's own device, and so
+do the devices that stand for an ``%%ondevice`` cell's device
+(:mod:`gpumagic.cell.device_values`: the notebook's ``device`` after such a cell).
 
 In a notebook (what a worker does with what the kernel packed)::
 
@@ -54,6 +56,7 @@ import cloudpickle
 import torch
 
 from ..cell.compile import is_cell
+from ..cell.device_values import stands_for_cell_device
 from .tensor_cache import LARGE_TENSOR_BYTES, TensorStore, fingerprint_keys, is_shippable_tensor
 
 if TYPE_CHECKING:
@@ -141,7 +144,7 @@ class _Pickler(cloudpickle.Pickler):
             if obj.device.type not in ("cpu", "meta"):
                 # Sparse, quantized, subclasses: torch's own pickling, from a CPU copy.
                 return _identity, (obj.detach().cpu(),)
-        elif isinstance(obj, torch.device) and obj.type == "cuda":
+        elif isinstance(obj, torch.device) and (obj.type == "cuda" or stands_for_cell_device(obj)):
             return _rank_device, ()
         elif isinstance(obj, types.FunctionType):
             self._packer.filenames.add(obj.__code__.co_filename)
