@@ -59,3 +59,16 @@ def test_a_kernels_cell_names_come_from_its_compiler(monkeypatch):
     register_source(name, "x = 1\n")                      # ... but the cell it was sent is a cell
     assert is_cell(name) and cell_label("<ipython-input-7-0abc>") == "Cell In[7]"
     assert is_cell(compile_plain("y = 2\n").filename)
+
+
+def test_a_cell_that_starts_with_blank_lines_keeps_its_line_numbers(shell):
+    import traceback
+
+    from gpumagic.cell.compile import compile_cell, run_compiled
+    cell = "\n\nx = 1\nraise ValueError(x)\n"
+    compiled = compile_cell(shell, cell, header="%%ondevice cpu")
+    with pytest.raises(ValueError) as err:
+        run_compiled(compiled, {})
+    frame = traceback.extract_tb(err.value.__traceback__)[-1]
+    # The notebook's numbering: the magic's line is 1, two blank lines, x = 1 is 4, the raise 5.
+    assert frame.lineno == 5 and frame.line == "raise ValueError(x)"

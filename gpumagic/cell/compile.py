@@ -57,6 +57,15 @@ def is_empty(cell: str | None) -> bool:
         return False
 
 
+def _leading_blank_lines(text: str) -> int:
+    count = 0
+    for line in text.splitlines():
+        if line.strip():
+            break
+        count += 1
+    return count
+
+
 def register_source(filename: str, source: str) -> None:
     """Put ``source`` in linecache under ``filename``, known from now on as a cell's (where there is no shell)."""
     lines = [line + "\n" for line in source.splitlines()]
@@ -138,7 +147,9 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
     filename = shell.compile.cache(full_source, number=number, raw_code=full_source)
 
     transformed = shell.transform_cell(cell)
-    # Blank lines stand in for the header so that every node keeps the user's line number.
+    # IPython drops a cell's leading blank lines; blank lines stand in for them and for the header,
+    # so that every node keeps the line number it has in the source tracebacks show.
+    offset += _leading_blank_lines(cell) - _leading_blank_lines(transformed)
     tree = shell.compile.ast_parse("\n" * offset + transformed, filename=filename)
     refuse_top_level_await(tree, header)
     tree = shell.transform_ast(tree)
