@@ -203,7 +203,7 @@ def in_process(kind, quick, device, batch, warmup, steps, seconds, chunk, wrap=N
 
 # ------------------------------------------------------------------ hand-written DDP (torchrun-style)
 
-def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_path):
+def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_path, compiled=False):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -220,6 +220,8 @@ def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_
     gbatch, shape, classes = shapes(kind, quick)
     device = f"cuda:{rank}" if cuda else "cpu"
     model = DDP(make_model(kind, quick).to(device), device_ids=[rank] if cuda else None)
+    if compiled:
+        model = torch.compile(model)     # as torch's DDP docs say: wrap first, then compile
     ds = SyntheticSet((warmup + steps) * gbatch, shape, classes)
     loader = DataLoader(ds, batch_size=gbatch // world, sampler=DistributedSampler(ds, shuffle=False),
                         collate_fn=passthrough)
@@ -233,7 +235,7 @@ def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_
     dist.destroy_process_group()
 
 
-def hand_ddp(kind, quick, world, warmup, steps) -> dict:
+def hand_ddp(kind, quick, world, warmup, steps, compiled=False, limit=None) -> dict:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:   # mkdtemp: this user's alone, and new each time
         path = os.path.join(tmp, "result.json")
@@ -242,7 +244,14 @@ def hand_ddp(kind, quick, world, warmup, steps) -> dict:
         saved = sys.modules.get("__main__")
         sys.modules["__main__"] = _SCRIPT_MAIN
         try:
-            mp.spawn(hand_ddp_worker, args=(world, kind, quick, rendezvous, warmup, steps, path), nprocs=world)
+            context = mp.spawn(hand_ddp_worker, args=(world, kind, quick, rendezvous, warmup, steps, path, compiled),
+                               nprocs=world, join=False)
+            deadline = None if limit is None else time.monotonic() + limit
+            while not context.join(timeout=5):
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in context.processes:
+                        p.kill()
+                    raise TimeoutError(f"no result after {limit:.0f} s")
         finally:
             sys.modules["__main__"] = saved
         wall = time.perf_counter() - t0
@@ -302,6 +311,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="resnet50,mlp,transformer")
     parser.add_argument("--seconds", type=float, default=None, help="timed window per column (default 4; quick 1)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--compile", action="store_true",
+                        help="also the compiled columns: 1 GPU with torch.compile, hand-written DDP with "
+                             "torch.compile, %%%%dataparallel --compile (first and later cell)")
     args = parser.parse_args(argv)
 
     import torch
@@ -424,6 +436,27 @@ def main(argv=None) -> None:
                 r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
                 return r
             attempt(results, "%%dataparallel --static-graph", static)
+
+        if args.compile:
+            one_compiled = attempt(results, "1 GPU, torch.compile" if not quick else "1 process, torch.compile",
+                                   lambda: in_process(kind, quick, device, gbatch, warmup, 10**9, seconds, chunk,
+                                                      wrap=torch.compile))
+            print(f"{name}: 1 GPU compiled {one_compiled}", flush=True)
+            attempt(results, "DDP (hand-written) + torch.compile",
+                    lambda: hand_ddp(kind, quick, world, warmup, steps, compiled=True, limit=300))
+
+            def ours_compiled():
+                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+                r = magic_cell(shell, ddp_line + " --compile", fixed_loop())
+                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+                first = last_result().per_rank[0].get("first_step")
+                overheads.append([name, "--compile, first cell: first optimizer step after", f"{first:.1f} s"])
+                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+                magic_cell(shell, ddp_line + " --compile", fixed_loop())
+                first = last_result().per_rank[0].get("first_step")
+                overheads.append([name, "--compile, later cell: first optimizer step after", f"{first:.1f} s"])
+                return r
+            attempt(results, "%%dataparallel --compile", ours_compiled)
 
         def with_dp():
             notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)

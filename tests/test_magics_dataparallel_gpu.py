@@ -206,6 +206,20 @@ rounded = all(bool((p.grad == p.grad.to(torch.bfloat16).float()).all()) for p in
         torch.testing.assert_close(p, ref.state_dict()[name].cpu(), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_ranks_train_like_eager_and_stay_warm(shell, mode):
+    run_cell(shell, SETUP.format(where="cpu"))
+    ns = shell.user_ns
+    ref = _reference(ns)
+    _, cap = dp_cell(shell, f"--compile {mode}", TRAIN)
+    assert "--compile:" in cap.stderr, cap.stderr
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref.state_dict()[name].cpu(), atol=1e-3, rtol=0)
+    _, cap = dp_cell(shell, f"--compile {mode}", TRAIN)
+    assert "--compile: compiled" not in cap.stderr, cap.stderr
+    assert last_result().per_rank[0]["first_step"] < 2.0
+
+
 def test_progress_reads_each_ranks_gpu_load_from_nvml():
     from gpumagic.dataparallel.progress import Progress
     progress = Progress(["cuda:0", "cuda:1"], shell=None)

@@ -42,6 +42,7 @@ class Plan:
     remote: int = 0                     # ranks joining from other machines
     listen: str | None = None           # the address other machines reach this kernel at
     grad_dtype: str = "fp32"            # the dtype gradients are all-reduced in
+    compile: str | None = None          # torch.compile mode for the cell's models; None: eager
 
     @property
     def world_size(self) -> int:
@@ -57,7 +58,7 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
               find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
               listen: str | None = None, oversubscribe: bool = False, grad_dtype: str | None = None,
-              gpus=None) -> Plan:
+              compile: str | None = None, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -68,6 +69,7 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
     check_seed(seed)
     grad_dtype = _check_grad_dtype(grad_dtype, strategy)
+    compile_mode = _check_compile(compile, strategy)
     notes: list[str] = []
     listed = _listed_devices(devices, gpus)
     chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
@@ -84,7 +86,21 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     if remote:
         listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
     return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype)
+                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype, compile_mode)
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _check_compile(mode: str | None, strategy: str) -> str | None:
+    if mode is None:
+        return None
+    if mode not in COMPILE_MODES:
+        raise usage_error(f"--compile {mode!r} is not a torch.compile mode", COMPILE_MODES)
+    if strategy != "ddp":
+        raise usage_error("--compile compiles the models in the worker processes: it needs --strategy ddp",
+                          ["--strategy ddp"])
+    return mode
 
 
 def _check_grad_dtype(grad_dtype: str | None, strategy: str) -> str:

@@ -75,7 +75,11 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     stats = {"steps": 0, "samples": 0, "seconds": 0.0}
     _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                    notify=lambda text: ctx.send({"kind": "warning", "text": text}))
+    compiling = bool(meta["ddp"].get("compile"))
+    counts_before = _compile_counts() if compiling else (0, 0)
     value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+    if compiling and ctx.rank == 0:
+        ctx.send({"kind": "note", "text": _compile_note(counts_before, _compile_counts(), stats)})
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
     for module in inner.values():
         for p in module.parameters():
@@ -123,6 +127,12 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
             ns[name] = wrapper_cls(module, **ddp_kwargs)
             if meta["ddp"].get("grad_dtype", "fp32") != "fp32":
                 ns[name].register_comm_hook(None, compressed_allreduce(meta["ddp"]["grad_dtype"]))
+        if meta["ddp"].get("compile"):
+            # In place (nn.Module.compile): the cell's name keeps the module it knows, and its
+            # state_dict its keys. Compiling the DDP wrapper lets dynamo split the graph at DDP's
+            # gradient buckets, so communication still overlaps the backward pass.
+            mode = meta["ddp"]["compile"]
+            ns[name].compile(mode=None if mode == "default" else mode)
     return inner
 
 
@@ -157,6 +167,8 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     def on_step(optimizer, args, kwargs):
         stats["steps"] += 1
         now = time.monotonic()
+        if stats["steps"] == 1:
+            stats["first_step"] = now - t_start
         if now - last_sent[0] >= PROGRESS_EVERY:
             last_sent[0] = now
             stats["seconds"] = now - t_start
@@ -272,6 +284,27 @@ def _apply_flags(flags: dict) -> None:
     torch.backends.cudnn.deterministic = flags.get("cudnn_deterministic", False)
     torch.backends.cudnn.allow_tf32 = flags.get("cudnn_allow_tf32", True)
     torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
+
+
+def _compile_counts() -> tuple[int, int]:
+    """(graphs dynamo traced, graphs inductor compiled rather than took from its cache) so far."""
+    from torch._dynamo.utils import counters
+    inductor = counters["inductor"]
+    return (int(counters["stats"]["unique_graphs"]),
+            int(inductor["fxgraph_cache_miss"]) + int(inductor["fxgraph_cache_bypass"]))
+
+
+def _compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict) -> str:
+    """One line on what ``--compile`` cost this cell: compiled, taken from the cache, or reused."""
+    traced, compiled = after[0] - before[0], after[1] - before[1]
+    first = stats.get("first_step")
+    when = f"; first optimizer step {first:.1f} s after the cell started" if first is not None else ""
+    if compiled:
+        return (f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} (first cell, changed code "
+                f"or new shapes){when}")
+    if traced:
+        return f"--compile: traced again, compiled code from inductor's cache{when}"
+    return f"--compile: the compiled model was reused, nothing recompiled{when}"
 
 
 class TrainingPassSampler(ShardedBatchSampler):

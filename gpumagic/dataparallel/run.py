@@ -183,7 +183,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
-                "grad_dtype": plan.grad_dtype},
+                "grad_dtype": plan.grad_dtype, "compile": plan.compile},
     }
     results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
     t_ranks_done = time.monotonic()
@@ -231,6 +231,9 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
             progress.update(rank, msg["stats"])
         elif msg.get("kind") == "warning":
             warnings.warn(msg["text"], UserWarning, stacklevel=2)
+        elif msg.get("kind") == "note":
+            from ..display import note
+            note(msg["text"])
 
     try:
         results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)

@@ -70,6 +70,10 @@ class DataParallelMagics(Magics):
     @argument("--find-unused", action="store_true",
               help="DDP find_unused_parameters=True: for models whose forward skips some parameters")
     @argument("--bucket-mb", type=float, default=None, help="DDP gradient bucket size in MB (default 25)")
+    @argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+              help="torch.compile the cell's models in each rank; MODE as torch.compile's: default, "
+                   "reduce-overhead (CUDA graphs), max-autotune, max-autotune-no-cudagraphs. Compiled code "
+                   "stays warm in the pool for later cells")
     @argument("--grad-dtype", default=None, metavar="{fp32,bf16,fp16}",
               help="all-reduce gradients in this dtype: bf16 or fp16 halve the bytes, rounding the "
                    "averaged gradient (default fp32)")
@@ -118,7 +122,7 @@ class DataParallelMagics(Magics):
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
                          remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe,
-                         grad_dtype=args.grad_dtype)
+                         grad_dtype=args.grad_dtype, compile=args.compile)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()
