@@ -313,7 +313,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--compile", action="store_true",
                         help="also the compiled columns: 1 GPU with torch.compile, hand-written DDP with "
-                             "torch.compile, %%%%dataparallel --compile (first and later cell)")
+                             "torch.compile, %%%%dataparallel --compile (first and later cell), and "
+                             "with --grad-dtype bf16")
     args = parser.parse_args(argv)
 
     import torch
@@ -457,6 +458,13 @@ def main(argv=None) -> None:
                 overheads.append([name, "--compile, later cell: first optimizer step after", f"{first:.1f} s"])
                 return r
             attempt(results, "%%dataparallel --compile", ours_compiled)
+
+            def ours_compiled_bf16():
+                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+                r = magic_cell(shell, ddp_line + " --compile --grad-dtype bf16", fixed_loop())
+                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+                return r
+            attempt(results, "%%dataparallel --compile --grad-dtype bf16", ours_compiled_bf16)
 
         def with_dp():
             notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)
