@@ -17,78 +17,13 @@ from nbclient import NotebookClient
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import ROOT, run_cell
+from tests.tutorial_mnist import MNIST_NET, MNIST_TEST
 
-MNIST_SETUP = """
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import torch.optim as optim
-from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super(Net, self).__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, 1)
-        self.conv2 = nn.Conv2d(8, 16, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(256, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = self.conv1(x)
-        x = F.relu(x)
-        x = self.conv2(x)
-        x = F.relu(x)
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = self.fc1(x)
-        x = F.relu(x)
-        x = self.dropout2(x)
-        x = self.fc2(x)
-        output = F.log_softmax(x, dim=1)
-        return output
-
-
-def train(args, model, device, train_loader, optimizer, epoch):
-    model.train()
-    for batch_idx, (data, target) in enumerate(train_loader):
-        data, target = data.to(device), target.to(device)
-        optimizer.zero_grad()
-        output = model(data)
-        loss = F.nll_loss(output, target)
-        loss.backward()
-        optimizer.step()
-        if batch_idx % args["log_interval"] == 0:
-            print('Train Epoch: {} [{}/{} ({:.0f}%)]\\tLoss: {:.6f}'.format(
-                epoch, batch_idx * len(data), len(train_loader.dataset),
-                100. * batch_idx / len(train_loader), loss.item()))
-
-
-def test(model, device, test_loader):
-    model.eval()
-    test_loss = 0
-    correct = 0
-    with torch.no_grad():
-        for data, target in test_loader:
-            data, target = data.to(device), target.to(device)
-            output = model(data)
-            test_loss += F.nll_loss(output, target, reduction='sum').item()  # sum up batch loss
-            pred = output.argmax(dim=1, keepdim=True)  # get the index of the max log-probability
-            correct += pred.eq(target.view_as(pred)).sum().item()
-
-    test_loss /= len(test_loader.dataset)
-
-    print('\\nTest set: Average loss: {:.4f}, Accuracy: {}/{} ({:.0f}%)\\n'.format(
-        test_loss, correct, len(test_loader.dataset),
-        100. * correct / len(test_loader.dataset)))
-
+MNIST_DATA = """
+from torch.utils.data import DataLoader
 
 torch.manual_seed(1)
-args = {"log_interval": 4, "epochs": 2}
+args = argparse.Namespace(log_interval=4, dry_run=False, epochs=2)
 device = torch.device("cpu")
 images = torch.randn(384, 1, 12, 12)
 labels = (images[:, 0, :6, :].mean(dim=(1, 2)) > 0).long() + 2 * (images[:, 0, 6:, :].mean(dim=(1, 2)) > 0).long()
@@ -99,8 +34,10 @@ optimizer = optim.Adadelta(model.parameters(), lr=1.0)
 scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
 """
 
+MNIST_SETUP = MNIST_NET + MNIST_TEST + MNIST_DATA
+
 MNIST_LOOP = """%%dataparallel --devices cpu --nprocs 2
-for epoch in range(1, args["epochs"] + 1):
+for epoch in range(1, args.epochs + 1):
     train(args, model, device, train_loader, optimizer, epoch)
     test(model, device, test_loader)
     scheduler.step()
