@@ -430,13 +430,15 @@ def main(argv=None) -> None:
                 traceback.print_exc()
                 overheads.append([name, "later cell", f"error: {type(exc).__name__}: {exc}"[:160]])
 
+        def magic_with(flags: str) -> dict:
+            """The %%dataparallel column with more flags, on a fresh copy of the model."""
+            notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
+            r = magic_cell(shell, f"{ddp_line} {flags}", fixed_loop())
+            r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
+            return r
+
         if kind == "transformer" and not quick:
-            def static():
-                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
-                r = magic_cell(shell, ddp_line + " --static-graph", fixed_loop())
-                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
-                return r
-            attempt(results, "%%dataparallel --static-graph", static)
+            attempt(results, "%%dataparallel --static-graph", lambda: magic_with("--static-graph"))
 
         if args.compile:
             one_compiled = attempt(results, "1 GPU, torch.compile" if not quick else "1 process, torch.compile",
@@ -447,24 +449,16 @@ def main(argv=None) -> None:
                     lambda: hand_ddp(kind, quick, world, warmup, steps, compiled=True, limit=300))
 
             def ours_compiled():
-                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
-                r = magic_cell(shell, ddp_line + " --compile", fixed_loop())
-                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
-                first = last_result().per_rank[0].get("first_step")
-                overheads.append([name, "--compile, first cell: first optimizer step after", f"{first:.1f} s"])
-                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
-                magic_cell(shell, ddp_line + " --compile", fixed_loop())
-                first = last_result().per_rank[0].get("first_step")
-                overheads.append([name, "--compile, later cell: first optimizer step after", f"{first:.1f} s"])
+                r = magic_with("--compile")
+                for which in ("first", "later"):
+                    if which == "later":
+                        magic_with("--compile")
+                    first = last_result().per_rank[0].get("first_step")
+                    overheads.append([name, f"--compile, {which} cell: first optimizer step after", f"{first:.1f} s"])
                 return r
             attempt(results, "%%dataparallel --compile", ours_compiled)
-
-            def ours_compiled_bf16():
-                notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
-                r = magic_cell(shell, ddp_line + " --compile --grad-dtype bf16", fixed_loop())
-                r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
-                return r
-            attempt(results, "%%dataparallel --compile --grad-dtype bf16", ours_compiled_bf16)
+            attempt(results, "%%dataparallel --compile --grad-dtype bf16",
+                    lambda: magic_with("--compile --grad-dtype bf16"))
 
         def with_dp():
             notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)
