@@ -21,14 +21,8 @@ while [[ $# -gt 0 && "$1" == --* ]]; do
     esac
     shift
 done
-# Where setup.sh puts the environment, as an absolute path (a relative
-# GPUMAGIC_VENV is taken from the folder this was run in).
-if [[ -n "${GPUMAGIC_VENV:-}" ]]; then
-    GPUMAGIC_VENV="$(realpath -m -- "$GPUMAGIC_VENV")"
-else
-    GPUMAGIC_VENV="$(dirname "$here")/.venv"
-fi
-export GPUMAGIC_VENV
+# shellcheck source=scripts/venv.sh
+source "$here/venv.sh"   # GPUMAGIC_VENV, absolute
 
 # Notebook paths given relative to the folder this was run in.
 notebooks=()

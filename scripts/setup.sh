@@ -39,11 +39,9 @@ for arg in "$@"; do
 done
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -n "${GPUMAGIC_VENV:-}" ]]; then
-    venv="$(realpath -m -- "$GPUMAGIC_VENV")"
-else
-    venv="$repo/.venv"
-fi
+# shellcheck source=scripts/venv.sh
+source "$repo/scripts/venv.sh"   # GPUMAGIC_VENV, absolute
+venv="$GPUMAGIC_VENV"
 cd "$repo"
 say() { echo "setup: $*"; }
 die() { echo "setup: $*" >&2; exit 1; }

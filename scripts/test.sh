@@ -25,12 +25,8 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
-if [[ -n "${GPUMAGIC_VENV:-}" ]]; then
-    GPUMAGIC_VENV="$(realpath -m -- "$GPUMAGIC_VENV")"
-else
-    GPUMAGIC_VENV="$(dirname "$here")/.venv"
-fi
-export GPUMAGIC_VENV
+# shellcheck source=scripts/venv.sh
+source "$here/venv.sh"   # GPUMAGIC_VENV, absolute
 
 bash "$here/setup.sh" "${setup_args[@]}"
 cd "$(dirname "$here")"
