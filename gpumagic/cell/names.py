@@ -32,12 +32,16 @@ def names_read(tree: ast.AST) -> list[str]:
 
 
 def names_assigned(tree: ast.AST) -> list[str]:
-    """Names the cell binds at its top level (``loss = ...``, ``for epoch in ...``)."""
+    """Names the cell binds at its top level (``loss = ...``, ``for epoch in ...``, ``import math``)."""
     seen: dict[str, None] = {}
     for stmt in getattr(tree, "body", []):
         for node in ast.walk(stmt):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is stmt:
                 seen.setdefault(node.name, None)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name != "*":
+                        seen.setdefault(alias.asname or alias.name.split(".")[0], None)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 seen.setdefault(node.id, None)
             elif isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \

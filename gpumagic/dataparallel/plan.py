@@ -17,7 +17,7 @@ from ..errors import usage_error
 from ..procs.cpus import check_process_count
 from ..procs.seeding import check_seed
 
-__all__ = ["Plan", "make_plan", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
+__all__ = ["Plan", "make_plan", "check_launch", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
 
 STRATEGIES = ("ddp", "dp")
 BACKENDS = ("nccl", "gloo")
@@ -43,6 +43,7 @@ class Plan:
     listen: str | None = None           # the address other machines reach this kernel at
     grad_dtype: str = "fp32"            # the dtype gradients are all-reduced in
     compile: str | None = None          # torch.compile mode for the cell's models; None: eager
+    launch: bool = False                # --launch: every rank as a torchrun process, whatever the cell
 
     @property
     def world_size(self) -> int:
@@ -58,7 +59,7 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
               find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
               listen: str | None = None, oversubscribe: bool = False, grad_dtype: str | None = None,
-              compile: str | None = None, gpus=None) -> Plan:
+              compile: str | None = None, launch: bool = False, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -78,6 +79,9 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         if crowded:
             notes.append(crowded)
     if strategy == "dp":
+        if launch:
+            raise usage_error("--launch runs the cell in worker processes, as torchrun would; --strategy dp runs "
+                              "it in the kernel", ["--strategy ddp --launch", "--strategy dp"])
         return _dp_plan(chosen, backend, timeout, models, all_output, seed, notes)
     on_gpu = chosen[0] != "cpu"
     backend = _check_backend(backend, on_gpu)
@@ -85,8 +89,34 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
     if remote:
         listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
-    return Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype, compile_mode)
+    plan = Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
+                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype, compile_mode,
+                bool(launch))
+    if launch:
+        check_launch(plan, "--launch")
+    return plan
+
+
+def check_launch(plan: Plan, why: str) -> None:
+    """``UsageError`` when launch mode (chosen because of ``why``) cannot honour the plan's options."""
+    ours = [flag for flag, given in (("--static-graph", plan.static_graph), ("--find-unused", plan.find_unused),
+                                     ("--bucket-mb", plan.bucket_mb is not None),
+                                     ("--grad-dtype", plan.grad_dtype != "fp32"), ("--compile", plan.compile))
+            if given]
+    reason = "with --launch" if why == "--launch" else f"in launch mode ({why})"
+    if ours:
+        raise usage_error(f"{', '.join(ours)} configure gpumagic's DDP wrapper, and {reason} the cell's own code "
+                          "distributes: set them there (for example DistributedDataParallel(static_graph=True), "
+                          "torch.compile(model)), or drop them", ["--devices", "--nprocs", "--backend", "--timeout",
+                                                                   "--all-output", "--seed", "--model"])
+    if plan.remote:
+        raise usage_error(f"--remote: ranks on other machines do not run {reason} yet", ["drop --remote"])
+    gpus = [d for d in plan.devices if d != "cpu"]
+    if gpus and gpus != [f"cuda:{i}" for i in range(len(gpus))]:
+        raise usage_error(f"--devices {','.join(plan.devices)}: {reason}, rank k uses GPU LOCAL_RANK=k as under "
+                          "torchrun, so the ranks need cuda:0 to cuda:N-1 in order; to train on other GPUs, start "
+                          "the kernel with CUDA_VISIBLE_DEVICES naming them",
+                          [f"--nprocs {len(gpus)}", ",".join(f"cuda:{i}" for i in range(len(gpus)))])
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

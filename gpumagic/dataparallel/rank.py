@@ -26,7 +26,8 @@ from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
-from .wrapping import RankDevice, cell_ddp_class, compressed_allreduce
+from .launch import forget_kernel_process, launched
+from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +68,27 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store)
     _prepare_namespace(ns, meta, device)
     seed_all(meta["seed"])
-    inner = _wrap_modules(ns, meta, device)
+    launch = meta.get("launch")
+    # Launch mode: the cell's framework wraps and moves the modules; they train in place.
+    inner = {name: ns[name] for name in meta["modules"]} if launch else _wrap_modules(ns, meta, device)
     # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
     opts = {name: ns[name] for name in meta["optimizers"]}
     for opt in opts.values():
         opt.load_state_dict(opt.state_dict())
+    shapes_before = {name: _shapes(module) for name, module in inner.items()}
     stats = {"steps": 0, "samples": 0, "seconds": 0.0}
-    _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
-                   notify=lambda text: ctx.send({"kind": "warning", "text": text}))
+    if not launch:
+        _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
+                       notify=lambda text: ctx.send({"kind": "warning", "text": text}))
     compiling = bool(meta["ddp"].get("compile"))
     counts_before = _compile_counts() if compiling else (0, 0)
-    value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+    if launch:
+        with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
+                      on_cpu=device.type == "cpu"):
+            forget_kernel_process(ns)
+            value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+    else:
+        value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
     if compiling and ctx.rank == 0:
         ctx.send({"kind": "note", "text": _compile_note(counts_before, _compile_counts(), stats)})
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
@@ -89,6 +100,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     buffer = None
     if ctx.rank == 0:
         state = _rank0_state(ns, meta, inner, opts, value)
+        # A module whose layers the cell replaced comes back whole: the notebook's takes its layers.
+        state["reshaped"] = {n: m for n, m in inner.items() if _shapes(m) != shapes_before[n]}
         packed = pack(state, targets=_all_cpu(state), fingerprint=False, scratch=ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
@@ -117,22 +130,25 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
         ddp_kwargs["bucket_cap_mb"] = meta["ddp"]["bucket_mb"]
     if device.type == "cuda":
         ddp_kwargs["device_ids"] = [device.index]
-    wrapper_cls = cell_ddp_class()
+    after_build = []
+    if meta["ddp"].get("grad_dtype", "fp32") != "fp32":
+        hook = compressed_allreduce(meta["ddp"]["grad_dtype"])
+        after_build.append(lambda wrapper: wrapper.register_comm_hook(None, hook))
+    mode = meta["ddp"].get("compile")
+    if mode:
+        # In place (nn.Module.compile): the cell's name keeps the module it knows, and its
+        # state_dict its keys. Compiling the DDP wrapper lets dynamo split the graph at DDP's
+        # gradient buckets, so communication still overlaps the backward pass.
+        after_build.append(lambda wrapper: wrapper.compile(mode=None if mode == "default" else mode))
     inner = {}
     for name in meta["modules"]:
         module = ns[name]
         module.to(device)
         inner[name] = module
         if any(p.requires_grad for p in module.parameters()):
-            ns[name] = wrapper_cls(module, **ddp_kwargs)
-            if meta["ddp"].get("grad_dtype", "fp32") != "fp32":
-                ns[name].register_comm_hook(None, compressed_allreduce(meta["ddp"]["grad_dtype"]))
-        if meta["ddp"].get("compile"):
-            # In place (nn.Module.compile): the cell's name keeps the module it knows, and its
-            # state_dict its keys. Compiling the DDP wrapper lets dynamo split the graph at DDP's
-            # gradient buckets, so communication still overlaps the backward pass.
-            mode = meta["ddp"]["compile"]
-            ns[name].compile(mode=None if mode == "default" else mode)
+            ns[name] = wrap_in_ddp(module, ddp_kwargs, after_build)
+        elif mode:
+            module.compile(mode=None if mode == "default" else mode)
     return inner
 
 
@@ -209,6 +225,8 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "assigned": meta["assigned"],
         "not_returned": [],
         "value": _returnable(value),
+        # Functions, classes and modules the cell bound: the kernel runs their statements again.
+        "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
     }
     trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
     for n in meta["return_names"]:
@@ -221,6 +239,10 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
             state["not_returned"].append(n)
     return state
+
+
+def _shapes(module) -> dict:
+    return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
 
 
 def _stateful_states(ns: dict, names: list) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..cell.values import same_tuple_type
 
-__all__ = ["CellResult", "load_into_notebook", "cloned"]
+__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned"]
 
 
 @dataclass
@@ -24,6 +24,7 @@ class CellResult:
     loaders: list[str]
     stateful: list[str]
     values: list[str] = field(default_factory=list)          # plain values bound in the notebook
+    defined: list[str] = field(default_factory=list)         # functions, classes, modules the cell bound
     not_returned: list[str] = field(default_factory=list)    # assigned names left in the workers
     value: object = None                                     # rank 0's last expression
     per_rank: dict = field(default_factory=dict)             # rank -> steps, samples, seconds
@@ -42,6 +43,8 @@ class CellResult:
         text = f"%%dataparallel: {ranks}{step_text}; trained state loaded into {what}"
         if self.values:
             text += f"; values: {', '.join(self.values)}"
+        if self.defined:
+            text += f"; defined: {', '.join(self.defined)}"
         return text
 
 
@@ -49,7 +52,10 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     """Check everything first, then copy rank 0's state into the notebook's objects in place."""
     import torch
     problems = []
+    reshaped = state.get("reshaped") or {}
     for name, module in modules.items():
+        if name in reshaped:
+            continue   # the cell replaced layers: the notebook's module takes the new ones
         got = state["modules"][name]
         have = module.state_dict()
         missing = sorted(set(have) - set(got))
@@ -70,7 +76,10 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                            "left as they were: " + "; ".join(problems))
     with torch.no_grad():
         for name, module in modules.items():
-            module.load_state_dict(state["modules"][name])
+            if name in reshaped:
+                _adopt_layers(module, reshaped[name])
+            else:
+                module.load_state_dict(state["modules"][name])
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
@@ -95,6 +104,49 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
 
 
 _MISSING = object()
+
+
+def _adopt_layers(module, trained) -> None:
+    """``module`` (the notebook's object) takes ``trained``'s layers, parameters and buffers, as if the
+    cell had replaced its layers in the notebook; they stay on the device ``module`` was on."""
+    import copy
+    where = next(iter(module.parameters()), None)
+    trained = copy.deepcopy(trained)   # its tensors are views of a receive buffer the next cell reuses
+    if where is not None:
+        trained.to(where.device)
+    for attr in ("_parameters", "_buffers", "_modules"):
+        mine = getattr(module, attr)
+        mine.clear()
+        mine.update(getattr(trained, attr))
+    module._non_persistent_buffers_set = set(trained._non_persistent_buffers_set)
+
+
+def define_in_notebook(ns: dict, tree, filename: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """Run again, in the notebook, the cell's statements that bound ``names`` to functions, classes and
+    modules (``def``, ``class``, ``import``): they exist there as after a plain cell, reading the
+    notebook's names. Returns ``(defined, not_defined)``, the second with the reason for each."""
+    import ast
+    last: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            last[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                last[alias.asname or alias.name.split(".")[0]] = node
+    done, failed, run = [], [], set()
+    for name in names:
+        node = last.get(name)
+        if node is None:
+            failed.append(f"{name} (not bound by a def, class or import at the top of the cell)")
+            continue
+        try:
+            if id(node) not in run:
+                run.add(id(node))
+                exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
+            done.append(name)
+        except Exception as exc:  # noqa: BLE001 - named in the cell's note, with the reason
+            failed.append(f"{name} ({type(exc).__name__}: {exc})")
+    return done, failed
 
 
 def _optimizer_state_to_keep(opt, sd: dict) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,14 +33,17 @@ from dataclasses import dataclass
 from ..cell.compile import compile_cell
 from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
+from ..display import note
 from ..errors import usage_error
 from ..procs.output import RankOutput
+from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.wire import Unshippable, pack_namespace
-from .plan import POOL_NAME, Plan
+from .detect import choose_mode
+from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .results import CellResult, cloned, load_into_notebook
+from .results import CellResult, cloned, define_in_notebook, load_into_notebook
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -71,20 +75,31 @@ class CellSurvey:
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
 
 
-def survey_cell(tree, shell, plan: Plan) -> CellSurvey:
-    """Find what the cell trains; ``UsageError`` before anything starts when it cannot run."""
+def read_names(tree, shell) -> list[str]:
+    """The notebook names the cell reads, and those the notebook functions it calls read."""
+    ns = shell.user_ns
+    return notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
+
+
+def survey_cell(tree, shell, plan: Plan, launch: bool = False) -> CellSurvey:
+    """Find what the cell trains; ``UsageError`` before anything starts when it cannot run.
+
+    In launch mode the cell's framework splits the data, and the model may be made in the cell.
+    """
     import torch
     ns = shell.user_ns
-    used = notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
+    used = read_names(tree, shell)
     probe = names_tree(used)
-    modules = find_modules(probe if not plan.models else tree, ns, plan.models)
+    modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch)
     optimizers = find_optimizers(probe, ns, modules)
     read_loaders = find_loaders(probe, ns)
     for name, loader in read_loaders.items():
-        if loader.batch_sampler is None:
+        if loader.batch_sampler is None and not launch:
             raise usage_error(f"DataLoader {name!r} has batch_size=None: it cannot be split into per-rank "
                               "batches; give it a batch_size")
-    if not read_loaders:
+    if launch:
+        read_loaders = {}   # the framework splits them; the notebook's stay as they are
+    elif not read_loaders:
         warnings.warn("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
                       "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
                       "split each batch across the ranks.", stacklevel=3)
@@ -163,7 +178,14 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_begin = time.monotonic()
     ns = shell.user_ns
     compiled = compile_cell(shell, cell, header=header)
-    survey = survey_cell(compiled.tree, shell, plan)
+    mode, why = choose_mode(compiled.tree, ns, read_names(compiled.tree, shell), launch=plan.launch)
+    launch = mode == "launch"
+    if launch:
+        check_launch(plan, why)
+    survey = survey_cell(compiled.tree, shell, plan, launch=launch)
+    if launch and not plan.launch:
+        note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
+             "started, and the cell's own code wraps the model and splits the data")
     ship_tree, helper = _placement_for_cpu(compiled.tree, ns) if plan.devices[0] == "cpu" else (compiled.tree, None)
     t_before_pool = time.monotonic()
     pool, started = _pool(plan)
@@ -182,6 +204,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "loop_targets": loop_targets(compiled.tree),
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
+        "launch": {"master_port": free_loopback_port(), "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
+        if launch else None,
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
                 "grad_dtype": plan.grad_dtype, "compile": plan.compile},
     }
@@ -189,6 +213,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_ranks_done = time.monotonic()
     payload, buffer = results[0]
     state = _load(ns, pool, payload, buffer, survey)
+    defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
     # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
     pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
     t_end = time.monotonic()
@@ -197,7 +222,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     _last = CellResult(
         devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
         optimizers=list(survey.optimizers), loaders=list(survey.loaders), stateful=survey.stateful,
-        values=state["bound"], not_returned=state.get("not_returned", []), value=state.get("value"),
+        values=state["bound"], defined=defined, not_returned=state.get("not_returned", []) + not_defined,
+        value=state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
         returned_bytes=payload.get("returned_bytes", 0),
@@ -232,7 +258,6 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
         elif msg.get("kind") == "warning":
             warnings.warn(msg["text"], UserWarning, stacklevel=2)
         elif msg.get("kind") == "note":
-            from ..display import note
             note(msg["text"])
 
     try:

@@ -1,6 +1,6 @@
 """What a rank changes so that a cell written for one device trains on its own.
 
-* :func:`cell_ddp_class` - DistributedDataParallel that answers like the module it wraps;
+* :func:`wrap_in_ddp` - DistributedDataParallel that answers like the module it wraps;
 * :class:`RankDevice` - ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean the rank's GPU;
 * :func:`compressed_allreduce` - gradients all-reduced in bf16 or fp16 (``--grad-dtype``).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["cell_ddp_class", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce"]
+__all__ = ["cell_ddp_class", "wrap_in_ddp", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce"]
 
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")   # what --grad-dtype takes
@@ -47,16 +47,26 @@ def compressed_allreduce(grad_dtype: str):
     return hook
 
 
+# What a container module answers (nn.Sequential, nn.ModuleList, nn.ModuleDict): the wrapper answers
+# the same where the wrapped module's class has them, and nothing more.
+_CONTAINER_METHODS = ("__getitem__", "__setitem__", "__delitem__", "__len__", "__iter__", "__contains__",
+                      "__reversed__")
+_RESHAPING = ("__setitem__", "__delitem__")
+
+
 def _make_cell_ddp():
+    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     class CellDDP(DistributedDataParallel):
         """DDP that answers like the module it wraps.
 
         The cell's ``model`` is this wrapper, so ``model(x)`` synchronises
-        gradients; ``model.fc``, ``model.state_dict()`` and
-        ``model.named_parameters()`` look as they do in the notebook (no
+        gradients; ``model.fc``, ``model[0]``, ``len(model)``, ``model.state_dict()``
+        and ``model.named_parameters()`` look as they do in the notebook (no
         ``module.`` prefix), so checkpoints saved in the cell load anywhere.
+        Assigning a layer (``model.fc = ...``, ``model[1] = ...``) changes the
+        wrapped module, and DDP is built again over its new parameters.
         """
 
         def __getattr__(self, name):
@@ -69,6 +79,28 @@ def _make_cell_ddp():
                 if name.startswith("__") or not modules or "module" not in modules:
                     raise
                 return getattr(modules["module"], name)
+
+        def __setattr__(self, name, value):
+            inner = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_gpumagic_built") else None
+            if inner is None or name in self.__dict__ or name == "module" or not (
+                    hasattr(inner, name) or isinstance(value, (torch.nn.Module, torch.nn.Parameter))):
+                return super().__setattr__(name, value)
+            old = getattr(inner, name, None)
+            setattr(inner, name, value)
+            if any(isinstance(v, (torch.nn.Module, torch.nn.Parameter)) for v in (old, value)):
+                self._gpumagic_rebuild()
+
+        def _gpumagic_rebuild(self):
+            """DDP over the wrapped module's parameters as they are now (a layer was replaced)."""
+            module, kwargs, after = self.module, self._gpumagic_kwargs, self._gpumagic_after_build
+            self.__dict__["_gpumagic_built"] = False
+            DistributedDataParallel.__init__(self, module, **kwargs)
+            self._gpumagic_finish(kwargs, after)
+
+        def _gpumagic_finish(self, kwargs, after):
+            for step in after:
+                step(self)
+            self.__dict__.update(_gpumagic_kwargs=kwargs, _gpumagic_after_build=after, _gpumagic_built=True)
 
         def state_dict(self, *args, **kwargs):
             return self.module.state_dict(*args, **kwargs)
@@ -85,15 +117,46 @@ def _make_cell_ddp():
     return CellDDP
 
 
-CellDDP = None  # built on first use: importing torch.distributed stays out of the kernel's import path
+_base_class = None   # CellDDP, built on first use: importing torch.distributed stays out of the kernel
+_classes: dict = {}   # the wrapped module's class -> CellDDP with its container methods
 
 
-def cell_ddp_class():
-    """The :class:`CellDDP` class, made on first use."""
-    global CellDDP
-    if CellDDP is None:
-        CellDDP = _make_cell_ddp()
-    return CellDDP
+def _delegate(method: str, reshapes: bool):
+    def call(self, *args):
+        result = getattr(self.module, method)(*args)
+        if reshapes:
+            self._gpumagic_rebuild()
+        return result
+    call.__name__ = method
+    return call
+
+
+def cell_ddp_class(module_type: type | None = None):
+    """The CellDDP class for wrapping a ``module_type``: with its container methods, where it has them."""
+    global _base_class
+    if _base_class is None:
+        _base_class = _make_cell_ddp()
+    if module_type is None:
+        return _base_class
+    cls = _classes.get(module_type)
+    if cls is None:
+        methods = {m: _delegate(m, m in _RESHAPING) for m in _CONTAINER_METHODS if hasattr(module_type, m)}
+        if "__len__" in methods:
+            methods["__bool__"] = _delegate_bool
+        cls = _classes[module_type] = type(_base_class.__name__, (_base_class,), methods) if methods else _base_class
+    return cls
+
+
+def _delegate_bool(self) -> bool:
+    return bool(self.module)
+
+
+def wrap_in_ddp(module, kwargs: dict, after_build=()):
+    """``module`` in a :func:`cell_ddp_class` wrapper; ``after_build`` steps (``step(wrapper)``: a
+    communication hook, compiling) run now and whenever a replaced layer makes DDP build again."""
+    wrapper = cell_ddp_class(type(module))(module, **kwargs)
+    wrapper._gpumagic_finish(dict(kwargs), list(after_build))
+    return wrapper
 
 
 class RankDevice(ast.NodeTransformer):

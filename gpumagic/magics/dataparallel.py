@@ -77,6 +77,12 @@ class DataParallelMagics(Magics):
     @argument("--grad-dtype", default=None, metavar="{fp32,bf16,fp16}",
               help="all-reduce gradients in this dtype: bf16 or fp16 halve the bytes, rounding the "
                    "averaged gradient (default fp32)")
+    @argument("--launch", action="store_true",
+              help="launch mode: every rank runs the cell as a process torchrun started (RANK, LOCAL_RANK, "
+                   "WORLD_SIZE, MASTER_ADDR, ... set, the process group formed); the cell's framework wraps the "
+                   "model and splits the data. Chosen without the flag when the cell builds a Hugging Face "
+                   "Trainer, an Accelerator, a Lightning Trainer or Fabric, its own DDP or FSDP, or calls "
+                   "init_process_group")
     @argument("--remote", type=int, default=None,
               help="N more ranks that join from other machines (python -m gpumagic.procs.remote join ...)")
     @argument("--listen", default=None,
@@ -122,7 +128,7 @@ class DataParallelMagics(Magics):
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
                          remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe,
-                         grad_dtype=args.grad_dtype, compile=args.compile)
+                         grad_dtype=args.grad_dtype, compile=args.compile, launch=args.launch)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()

@@ -25,7 +25,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrivateFileStore", "private_file_store", "serve_tcp", "connect", "CONNECT_TIMEOUT"]
+__all__ = ["PrivateFileStore", "private_file_store", "serve_tcp", "connect", "CONNECT_TIMEOUT", "free_loopback_port"]
 
 CONNECT_TIMEOUT = 120.0   # seconds a rank waits for the others at the rendezvous
 _PREFIX = "gpumagic-rendezvous-"
@@ -128,3 +128,10 @@ def connect(rendezvous: tuple, world_size: int):
         _, address, port = rendezvous
         return dist.TCPStore(address, port, world_size + 1, False, timeout=timeout)
     raise ValueError(f"unknown rendezvous {rendezvous!r}: expected ('file', path) or ('tcp', address, port)")
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for code that forms its own group via ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -77,7 +77,9 @@ class WorkerContext:
         self.backend = config.backend
         self.state: dict = {}          # kept between tasks (the tensor store lives here)
         self.in_task = False
+        self.forward = False           # whether what the task prints goes to the kernel
         self._send_lock = threading.Lock()
+        self.streams = (ForwardedStream(self, "stdout"), ForwardedStream(self, "stderr"))
 
     @property
     def torch_device(self):
@@ -116,19 +118,23 @@ class WorkerContext:
 class ForwardedStream(io.TextIOBase):
     """``sys.stdout``/``sys.stderr`` in a worker: text goes to the kernel as it is written (or nowhere).
 
+    One pair per worker, used by every task: a logging handler made in one
+    cell (frameworks make theirs when first imported) keeps writing into the
+    cells after it. Whether text is forwarded is the current task's choice
+    (``ctx.forward``: rank 0's output, or every rank's with ``--all-output``).
     The kernel's side (:mod:`.output`) completes lines and prefixes them with the rank.
     """
 
     encoding = "utf-8"
 
-    def __init__(self, ctx: WorkerContext, stream: str, forward: bool):
-        self._ctx, self._stream, self.forward = ctx, stream, forward
+    def __init__(self, ctx: WorkerContext, stream: str):
+        self._ctx, self._stream = ctx, stream
 
     def writable(self):
         return True
 
     def write(self, text):
-        if self.forward and text:
+        if self._ctx.forward and text:
             self._ctx._send(("out", self._stream, str(text)))
         return len(text)
 
@@ -247,40 +253,11 @@ def _start_up(config: WorkerConfig) -> dict:
     else:
         info["device_name"] = device
     if config.backend:
-        _join_process_group(config)
+        from . import process_group
+        process_group.join(config)
     for module in config.preload:
         importlib.import_module(module)
     return info
-
-
-def _join_process_group(config: WorkerConfig) -> None:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from .rendezvous import connect
-    if config.rendezvous is None:
-        raise RuntimeError("a process group needs a rendezvous")
-    store = connect(config.rendezvous, config.world_size)
-    kwargs = {}
-    nccl = config.device.startswith("cuda") and config.backend == "nccl"
-    if nccl:
-        kwargs["device_id"] = torch.device(config.device)
-    timeout = datetime.timedelta(seconds=config.timeout)
-    try:
-        dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.world_size,
-                                timeout=timeout, **kwargs)  # type: ignore[arg-type]
-    except TypeError:  # a torch without device_id
-        dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.world_size,
-                                timeout=timeout)
-    # A first collective connects every pair now rather than in the user's first step.
-    if nccl:
-        t = torch.ones(1, device=config.device)
-        dist.all_reduce(t)
-        torch.cuda.synchronize()
-    else:
-        dist.barrier()
 
 
 def _bind_to_gpu_cpus(index: int) -> None:
@@ -320,15 +297,17 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
     its result or its exception."""
     task, meta, data = job
     job.clear()
-    forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
+    ctx.forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
     real_out, real_err = sys.stdout, sys.stderr
-    sys.stdout = ForwardedStream(ctx, "stdout", forward)
-    sys.stderr = ForwardedStream(ctx, "stderr", forward)
+    sys.stdout, sys.stderr = ctx.streams
     ctx.in_task = True
     try:
         from .bulk import BulkHandle
         if isinstance(data, BulkHandle):
             data = data.open()   # bytes given with the process's start: mapped now
+        if ctx.backend:
+            from .process_group import ensure_pool_group
+            ensure_pool_group()   # the last cell may have ended the pool's group or left its own
         result = _task_function(task)(ctx, meta, data)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         del result, meta, data

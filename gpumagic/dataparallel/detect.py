@@ -1,0 +1,171 @@
+"""Which mode a ``%%dataparallel`` cell runs in: gpumagic's DDP, or launch mode for code that distributes itself.
+
+A cell that builds a Hugging Face ``Trainer``, an accelerate ``Accelerator``,
+a Lightning ``Trainer`` or ``Fabric``, its own ``DistributedDataParallel`` or
+FSDP, or calls ``init_process_group``, distributes by itself: wrapping its
+model and splitting its loaders as well would do the work twice. Such a cell
+runs in launch mode (:mod:`.launch`); :func:`choose_mode` says which and why.
+
+What is looked at: the cell's code (names it imports included) and the code
+of the notebook functions it calls; nothing is imported to decide.
+
+In a notebook::
+
+    choose_mode(ast.parse("trainer = Trainer(model=model, args=args)"), {"Trainer": transformers.Trainer})
+    # ('launch', 'the cell builds a Hugging Face Trainer (transformers.Trainer)')
+"""
+from __future__ import annotations
+
+import ast
+import types
+from collections.abc import Iterator
+
+from ..errors import usage_error
+
+__all__ = ["choose_mode", "framework_of", "DISTRIBUTING"]
+
+# (package roots, class or function name, what to call it): what distributes by itself. A class
+# matches through its bases, so Seq2SeqTrainer and trl's SFTTrainer are Hugging Face Trainers.
+DISTRIBUTING = (
+    (("transformers",), "Trainer", "a Hugging Face Trainer"),
+    (("accelerate",), "Accelerator", "an accelerate Accelerator"),
+    (("lightning", "pytorch_lightning"), "Trainer", "a Lightning Trainer"),
+    (("lightning", "lightning_fabric"), "Fabric", "a Lightning Fabric"),
+    (("torch",), "DistributedDataParallel", "its own DistributedDataParallel"),
+    (("torch",), "FullyShardedDataParallel", "FSDP"),
+    (("torch",), "fully_shard", "FSDP (fully_shard)"),
+    (("torch",), "init_process_group", "init_process_group"),
+)
+# What starts processes of its own: inside a rank it would start them once per rank.
+STARTS_PROCESSES = (
+    (("torch",), "spawn"), (("torch",), "start_processes"), (("accelerate",), "notebook_launcher"),
+    (("accelerate",), "debug_launcher"),
+)
+# Framework objects that fix the number of processes when made: made in the kernel, they know one.
+MADE_FOR_ONE_PROCESS = ("a Hugging Face Trainer", "an accelerate Accelerator", "a Lightning Trainer",
+                        "a Lightning Fabric")
+
+
+def choose_mode(tree: ast.AST, ns: dict, used: list[str], launch: bool = False) -> tuple[str, str]:
+    """``("launch" | "ddp", why)`` for the cell ``tree`` reading notebook names ``used``.
+
+    Raises ``UsageError`` for a cell neither mode can run: one that starts
+    processes of its own, or uses a framework trainer made in the kernel.
+    """
+    _refuse_kernel_made(ns, used)
+    found = None
+    for qualified, obj in _references(tree, ns, used):
+        if _matches(qualified, obj, STARTS_PROCESSES):
+            raise usage_error(
+                f"the cell calls {qualified}, which starts processes of its own; under %%dataparallel the ranks "
+                "exist already and each runs the cell: call the training function directly instead "
+                "(for example train(int(os.environ['RANK']), int(os.environ['WORLD_SIZE']))), or run the cell "
+                "without %%dataparallel")
+        what = framework_of(qualified, obj)
+        if what is not None and found is None:
+            found = f"the cell {'calls' if what == 'init_process_group' else 'builds'} {what} ({qualified})"
+    if launch:
+        return "launch", "--launch"
+    if found is not None:
+        return "launch", found
+    return "ddp", "a hand-written loop"
+
+
+def framework_of(qualified: str, obj=None) -> str | None:
+    """What ``obj`` (or, unresolved, the dotted name ``qualified``) is among :data:`DISTRIBUTING`."""
+    for roots, name, what in DISTRIBUTING:
+        if _matches(qualified, obj, ((roots, name),)):
+            return what
+    return None
+
+
+def _matches(qualified: str, obj, table) -> bool:
+    if obj is not None:
+        candidates = obj.__mro__ if isinstance(obj, type) else (obj,)
+        for c in candidates:
+            module = getattr(c, "__module__", None) or ""
+            if any(module.split(".")[0] in roots and getattr(c, "__name__", None) == name for roots, name in table):
+                return True
+        return False
+    parts = qualified.split(".")
+    for roots, name in table:
+        if parts[0] in roots and (parts[-1] == name or (name == "Trainer" and parts[-1].endswith("Trainer")
+                                                           and parts[0] in ("transformers", "trl"))):
+            return True
+    return False
+
+
+def _refuse_kernel_made(ns: dict, used: list[str]) -> None:
+    for name in used:
+        value = ns.get(name)
+        if value is None or isinstance(value, (type, types.ModuleType, types.FunctionType)):
+            continue
+        what = framework_of(f"{type(value).__module__}.{type(value).__name__}", type(value))
+        if what in MADE_FOR_ONE_PROCESS:
+            raise usage_error(
+                f"{name!r} is {what} made in the kernel, where it counted one process; make it inside the "
+                f"%%dataparallel cell, where it sees every rank (its arguments may come from earlier cells)")
+
+
+def _references(tree: ast.AST, ns: dict, used: list[str]) -> Iterator[tuple[str, object]]:
+    """``(dotted name, object or None)`` for what the cell and the notebook functions it uses refer to."""
+    imported = _imports(tree)
+    for node in ast.walk(tree):
+        chain = _chain(node)
+        if chain is None:
+            continue
+        base, attrs = chain[0], chain[1:]
+        if base in imported:
+            yield ".".join([imported[base], *attrs]), None
+        elif base in ns:
+            obj = ns[base]
+            for a in attrs:
+                obj = getattr(obj, a, None)
+                if obj is None:
+                    break
+            if obj is not None:
+                yield ".".join(chain), obj
+    for name in used:
+        fn = ns.get(name)
+        if isinstance(fn, types.FunctionType):
+            yield from _code_references(fn.__code__, fn.__globals__)
+
+
+def _code_references(code: types.CodeType, globals_: dict) -> Iterator[tuple[str, object]]:
+    names = set(code.co_names)
+    for name in names:
+        value = globals_.get(name)
+        if isinstance(value, types.ModuleType):
+            for attr in names:
+                sub = getattr(value, attr, None)
+                if sub is not None and not isinstance(sub, types.ModuleType):
+                    yield f"{name}.{attr}", sub
+        elif value is not None:
+            yield name, value
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_references(const, globals_)
+
+
+def _imports(tree: ast.AST) -> dict[str, str]:
+    """Local name -> dotted name, for the cell's own imports."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                names[a.asname or a.name] = f"{node.module}.{a.name}"
+    return names
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]`` for the outermost attribute chain or name read; else None."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return [node.id, *reversed(attrs)]
+    return None

@@ -1,0 +1,151 @@
+"""Launch mode on a rank: the process looks as if ``torchrun`` had started it; the cell's code distributes.
+
+While a launch-mode cell runs, :func:`launched` sets the environment torch's
+elastic agent sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ...). The rank's GPU is already its
+current device, so ``"cuda"`` means it, and the pool's process group is
+formed: a framework that checks ``is_initialized()`` uses it, one that calls
+``init_process_group`` gets its own through ``MASTER_ADDR:MASTER_PORT``
+(:mod:`gpumagic.procs.process_group`). Nothing is wrapped or split: the
+framework does that.
+
+Lightning's notebook and spawn strategies (``"ddp_notebook"``,
+``"ddp_spawn"``) start their own processes; under ``torchrun`` people choose
+``"ddp"`` instead. Here the processes exist already, so those strategies run
+their function in place, as ``"ddp"`` does under ``torchrun``
+(:func:`run_lightning_launchers_in_place`).
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: str,
+                         master_addr: str = LOOPBACK, on_cpu: bool = False) -> dict[str, str]:
+    """What ``torchrun --nproc-per-node=world_size`` sets in rank ``rank``'s environment (one machine).
+
+    ``on_cpu``: also ``ACCELERATE_USE_CPU``, as ``accelerate launch --cpu`` sets; without it accelerate
+    (and the Hugging Face Trainer) treat CPU processes as one process each.
+    """
+    values = {
+        "RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank, "ROLE_NAME": "default",
+        "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size, "ROLE_WORLD_SIZE": world_size,
+        "GROUP_WORLD_SIZE": 1, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
+        # The store behind MASTER_PORT is rank 0's (as with torchrun --standalone), not an agent's.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+    if on_cpu:
+        values["ACCELERATE_USE_CPU"] = "true"
+    return {k: str(v) for k, v in values.items()}
+
+
+@contextmanager
+def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: bool) -> Iterator[None]:
+    """The environment of a ``torchrun`` process while the block runs; the worker's own after it."""
+    import torch
+    env = torchrun_environment(rank, world_size, master_port, run_id, on_cpu=on_cpu)
+    # torchrun sets OMP_NUM_THREADS, and accelerate cuts torch to one thread where it is unset: give
+    # the share of cores the worker already runs with.
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads()))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    run_lightning_launchers_in_place()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def forget_kernel_process(ns: dict) -> list[str]:
+    """Values made in the kernel that cached which process they were in, made to look again here.
+
+    A Hugging Face ``TrainingArguments`` made in an earlier cell has worked out
+    its device and accelerate's state there (one process, ``cuda:0``); in the
+    rank it must be this rank's, as if it had been made here. Call inside
+    :func:`launched`; returns the names refreshed.
+    """
+    refreshed = []
+    for name, value in ns.items():
+        if _is_training_arguments(value) and "_setup_devices" in vars(value):
+            del value.__dict__["_setup_devices"]
+            value.distributed_state = None
+            value._setup_devices   # noqa: B018 - worked out again now, under this rank's environment
+            refreshed.append(name)
+    return refreshed
+
+
+def _is_training_arguments(value) -> bool:
+    return any(c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers.")
+               for c in type(value).__mro__)
+
+
+# Lightning's launchers that start processes, under both of its package names.
+_LAUNCHER_MODULES = (
+    "lightning.pytorch.strategies.launchers.multiprocessing",
+    "lightning.fabric.strategies.launchers.multiprocessing",
+    "pytorch_lightning.strategies.launchers.multiprocessing",
+    "lightning_fabric.strategies.launchers.multiprocessing",
+)
+
+
+def run_lightning_launchers_in_place() -> None:
+    """Lightning's process-starting launchers run their function in this process when the processes
+    were started outside (``cluster_environment.creates_processes_externally``), now or once imported."""
+    for name in _LAUNCHER_MODULES:
+        if name in sys.modules:
+            _patch_launcher(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _patch_launcher(module) -> None:
+    cls = getattr(module, "_MultiProcessingLauncher", None)
+    if cls is None or getattr(cls.launch, "_gpumagic_in_place", False):
+        return
+    original = cls.launch
+
+    def launch(self, function, *args, **kwargs):
+        environment = getattr(self._strategy, "cluster_environment", None)
+        if environment is not None and environment.creates_processes_externally:
+            kwargs.pop("trainer", None)   # what _SubprocessScriptLauncher.launch does under torchrun
+            return function(*args, **kwargs)
+        return original(self, function, *args, **kwargs)
+
+    launch._gpumagic_in_place = True  # type: ignore[attr-defined]
+    cls.launch = launch
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a launcher module right after it is first imported (the cell imports Lightning)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _LAUNCHER_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_launcher(module)
+
+        loader.exec_module = exec_and_patch
+        return spec

@@ -1,0 +1,107 @@
+"""A worker's ``torch.distributed`` process group: formed at start-up, given way to, formed again.
+
+:func:`join` forms the pool's group when a worker starts, in the store its
+rendezvous names (:mod:`.rendezvous`), and connects every pair with a first
+collective, so that the user's first step does not pay for it.
+
+Code written for ``torchrun`` may find that group already there (frameworks
+check ``is_initialized()`` first) or call ``init_process_group`` itself. For
+the second, :func:`join` makes ``init_process_group`` give the pool's group
+up before it forms the caller's: the call then works exactly as it would in a
+fresh ``torchrun`` process. :func:`ensure_pool_group`, at the start of every
+task, forms the pool's group again wherever a cell left another one (or none).
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["join", "ensure_pool_group", "is_pool_group"]
+
+_state: dict[str, Any] = {}   # this process's: config, store, group, generation
+
+
+def join(config) -> None:
+    """Form the pool's process group for ``config`` (a :class:`~.worker.WorkerConfig`)."""
+    from .rendezvous import connect
+    if config.rendezvous is None:
+        raise RuntimeError("a process group needs a rendezvous")
+    _state.update(config=config, store=connect(config.rendezvous, config.world_size), generation=0)
+    _form()
+    _give_way_to_user_init()
+
+
+def is_pool_group() -> bool:
+    """Whether the default process group is the one :func:`join` formed."""
+    import torch.distributed as dist
+    return bool(_state) and dist.is_initialized() and dist.group.WORLD is _state.get("group")
+
+
+def ensure_pool_group() -> bool:
+    """Form the pool's group again if a cell destroyed it or left its own; returns whether it did.
+
+    Every rank calls this at the start of the same task, so they form it together.
+    """
+    import torch.distributed as dist
+    if not _state or is_pool_group():
+        return False
+    if dist.is_initialized():
+        logger.debug("a cell left its own process group; forming the pool's again")
+        dist.destroy_process_group()
+    _state["generation"] += 1
+    _form()
+    return True
+
+
+def _form() -> None:
+    import torch
+    import torch.distributed as dist
+    config = _state["config"]
+    store: Any = _state["store"]
+    if _state["generation"]:
+        # The store still holds the keys of the group formed before: start afresh under a prefix.
+        store = dist.PrefixStore(f"gpumagic-group-{_state['generation']}", store)
+    kwargs = {}
+    nccl = config.device.startswith("cuda") and config.backend == "nccl"
+    if nccl:
+        kwargs["device_id"] = torch.device(config.device)
+    timeout = datetime.timedelta(seconds=config.timeout)
+    init = _state.get("original_init", dist.init_process_group)
+    try:
+        init(config.backend, store=store, rank=config.rank, world_size=config.world_size,
+             timeout=timeout, **kwargs)
+    except TypeError:  # a torch without device_id
+        init(config.backend, store=store, rank=config.rank, world_size=config.world_size, timeout=timeout)
+    # A first collective connects every pair now rather than in the user's first step.
+    if nccl:
+        t = torch.ones(1, device=config.device)
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+    _state["group"] = dist.group.WORLD
+
+
+def _give_way_to_user_init() -> None:
+    """``init_process_group`` called by the cell first ends the pool's group (never a user's own)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    if "original_init" in _state:
+        return
+    original = _state["original_init"] = c10d.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        if is_pool_group():
+            dist.destroy_process_group()
+        return original(*args, **kwargs)
+
+    # Both names: code imports it from either module, before or after this runs.
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
