@@ -102,7 +102,7 @@ def test_a_rank_error_names_rank_and_line_and_leaves_the_model(shell, case, tmp_
     state = {k: v.clone() for k, v in trained(ns, case).state_dict().items()}
     with pytest.raises(WorkerError) as err:
         dp_cell(shell, CPU2, cell)
-    assert (err.value.rank, err.value.exc_type) == (1, "ValueError")
+    assert (err.value.rank, err.value.exc_type) == (1, "ValueError"), err.value.all_errors
     assert "rank one fails" in err.value.message
     # the line that raised, in the set-up cell that defined on_step
     assert "raise ValueError(\"rank one fails\")" in err.value.remote_traceback

@@ -26,7 +26,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process"]
+__all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process",
+           "DistributionWatch"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -93,6 +94,49 @@ def forget_kernel_process(ns: dict) -> list[str]:
 def _is_training_arguments(value) -> bool:
     return any(c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers.")
                for c in type(value).__mro__)
+
+
+class DistributionWatch:
+    """Whether anything in a launch-mode cell distributed the training: a model wrapped in DDP or
+    FSDP (the frameworks all use torch's), or parameters sharded as DTensors (FSDP2).
+
+    A cell that took optimizer steps without either ran the whole training on every rank: the
+    same result as one process, N times over. ``with watch: ...`` then ``watch.distributed(modules)``.
+    """
+
+    def __init__(self) -> None:
+        self.wrapped = 0
+
+    def __enter__(self):
+        from torch.nn.parallel import DistributedDataParallel
+        self._patched = [(DistributedDataParallel, DistributedDataParallel.__init__)]
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            self._patched.append((FullyShardedDataParallel, FullyShardedDataParallel.__init__))
+        except ImportError:   # a torch without FSDP
+            pass
+        for cls, init in self._patched:
+            cls.__init__ = self._counting(init)
+        return self
+
+    def _counting(self, init):
+        def counted(wrapper, /, *args, **kwargs):
+            self.wrapped += 1
+            return init(wrapper, *args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        for cls, init in self._patched:
+            cls.__init__ = init
+
+    def distributed(self, modules) -> bool:
+        if self.wrapped:
+            return True
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:
+            return False
+        return any(isinstance(p, DTensor) for m in modules for p in m.parameters())
 
 
 # Lightning's launchers that start processes, under both of its package names.

@@ -26,7 +26,7 @@ from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
-from .launch import forget_kernel_process, launched
+from .launch import DistributionWatch, forget_kernel_process, launched
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -84,9 +84,16 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     counts_before = _compile_counts() if compiling else (0, 0)
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
-                      on_cpu=device.type == "cpu"):
+                      on_cpu=device.type == "cpu"), DistributionWatch() as watch:
             forget_kernel_process(ns)
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+        if stats["steps"] and not watch.distributed(inner.values()) and ctx.rank == 0:
+            ctx.send({"kind": "warning", "text": (
+                f"launch mode: the cell took {stats['steps']} optimizer steps on each rank, but nothing wrapped a "
+                "model in DistributedDataParallel or FSDP: unless the cell averages gradients itself, every "
+                f"rank did the whole training ({ctx.world_size} times the work of one process for the same "
+                "result). Let the framework see the ranks (a Lightning Trainer with devices=N, an Accelerator "
+                "made in the cell), or run a hand-written loop without --launch")})
     else:
         value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
     if compiling and ctx.rank == 0:

@@ -107,18 +107,46 @@ _MISSING = object()
 
 
 def _adopt_layers(module, trained) -> None:
-    """``module`` (the notebook's object) takes ``trained``'s layers, parameters and buffers, as if the
-    cell had replaced its layers in the notebook; they stay on the device ``module`` was on."""
+    """``module`` (the notebook's object) takes ``trained``'s structure and weights, as if the cell had
+    replaced its layers in the notebook: layers that kept their type stay the same objects (their
+    tensors updated in place), new ones are copies of the trained ones, on ``module``'s device."""
     import copy
+
+    import torch
     where = next(iter(module.parameters()), None)
-    trained = copy.deepcopy(trained)   # its tensors are views of a receive buffer the next cell reuses
-    if where is not None:
-        trained.to(where.device)
-    for attr in ("_parameters", "_buffers", "_modules"):
-        mine = getattr(module, attr)
-        mine.clear()
-        mine.update(getattr(trained, attr))
-    module._non_persistent_buffers_set = set(trained._non_persistent_buffers_set)
+    device = where.device if where is not None else torch.device("cpu")
+
+    def own_shapes(m) -> dict:
+        return {n: getattr(t, "shape", None) for n, t in [*m._parameters.items(), *m._buffers.items()]}
+
+    def adopt(mine, theirs) -> None:
+        for attr in ("_parameters", "_buffers"):
+            own, new = getattr(mine, attr), getattr(theirs, attr)
+            for name in [n for n in own if n not in new]:
+                del own[name]
+            for name, t in new.items():
+                old = own.get(name)
+                if t is None or old is None:
+                    # its tensors are views of a receive buffer the next cell reuses: a copy
+                    own[name] = None if t is None else copy.deepcopy(t).to(device)
+                else:
+                    old.data.copy_(t)
+        mine._non_persistent_buffers_set = set(theirs._non_persistent_buffers_set)
+        children = mine._modules
+        for name in [n for n in children if n not in theirs._modules]:
+            del children[name]
+        for name, child in theirs._modules.items():
+            old = children.get(name)
+            # A layer of the same class whose own tensors kept their shapes is the same layer (its
+            # descendants may have changed); otherwise the cell made a new one: take it.
+            if old is not None and child is not None and type(old) is type(child) \
+                    and own_shapes(old) == own_shapes(child):
+                adopt(old, child)
+            else:
+                children[name] = None if child is None else copy.deepcopy(child).to(device)
+
+    with torch.no_grad():
+        adopt(module, trained)
 
 
 def define_in_notebook(ns: dict, tree, filename: str, names: list[str]) -> tuple[list[str], list[str]]:

@@ -1,0 +1,113 @@
+"""What a %%dataparallel cell may do to the notebook's objects, as in a plain cell (CPU, 2 ranks).
+
+The wrapper answers like the wrapped module (indexing, len, iteration,
+attributes, item assignment); functions, classes and imports the cell
+defines exist in the notebook afterwards; a launch-mode cell that nothing
+distributes gets a warning instead of repeating the work silently.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_cell
+from tests.dataparallel_helpers import dp_cell
+
+CPU2 = "--nprocs 2"
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+X = torch.randn(64, 8)
+Y = X.sum(1, keepdim=True)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+"""
+
+
+def test_the_model_answers_like_the_notebooks_module_inside_the_cell(shell):
+    run_cell(shell, SETUP)
+    dp_cell(shell, CPU2, """
+        first = type(model[0]).__name__
+        count = len(model)
+        kinds = [type(layer).__name__ for layer in model]
+        width = model[2].in_features
+        sliced = type(model[:2]).__name__
+        for x, y in loader:
+            opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        """)
+    ns = shell.user_ns
+    assert (ns["first"], ns["count"], ns["kinds"]) == ("Linear", 3, ["Linear", "ReLU", "Linear"])
+    assert (ns["width"], ns["sliced"]) == (16, "Sequential")
+
+
+def test_a_layer_replaced_in_the_cell_trains_and_replaces_the_notebooks(shell):
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    model, first_layer = ns["model"], ns["model"][0]
+    _, cap = dp_cell(shell, CPU2, """
+        model[2] = torch.nn.Linear(16, 2)
+        head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        start = model[2].weight.detach().clone()
+        for x, y in loader:
+            head.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y.repeat(1, 2)).backward()
+            head.step()
+        import torch.distributed as dist
+        sums = [None, None]
+        dist.all_gather_object(sums, float(model[2].weight.sum()))
+        moved = float((model[2].weight - start).abs().sum())
+        """)
+    assert ns["model"] is model and ns["model"][0] is first_layer     # the same objects
+    assert isinstance(model[2], torch.nn.Linear) and model[2].out_features == 2
+    assert tuple(model(ns["X"][:3]).shape) == (3, 2)
+    # DDP was built again over the new layer: it trained, alike on both ranks, and came back
+    assert ns["moved"] > 0 and ns["sums"][0] == ns["sums"][1]
+    assert float(model[2].weight.sum()) == ns["sums"][0]
+
+
+def test_functions_classes_and_imports_defined_in_the_cell_exist_in_the_notebook(shell):
+    run_cell(shell, SETUP)
+    _, cap = dp_cell(shell, CPU2, """
+        import math
+        import torch.nn.functional as F
+        SCALE = 3
+        def scaled_loss(out, y):
+            return SCALE * F.mse_loss(out, y)
+        class Counter:
+            steps = 0
+        for x, y in loader:
+            opt.zero_grad(); scaled_loss(model(x), y).backward(); opt.step()
+            Counter.steps += 1
+        """)
+    ns = shell.user_ns
+    assert ns["math"].pi == 3.141592653589793 and ns["F"] is torch.nn.functional
+    # defined again in the notebook, reading the notebook's names (SCALE came back as a value)
+    assert ns["scaled_loss"].__globals__ is ns
+    assert float(ns["scaled_loss"](torch.ones(2), torch.zeros(2))) == 3.0
+    assert ns["Counter"].steps == 0 and isinstance(ns["Counter"], type)
+    assert "defined: math, F, scaled_loss, Counter" in cap.stderr, cap.stderr
+
+
+def test_a_function_that_cannot_be_defined_again_is_named(shell):
+    run_cell(shell, SETUP)
+    _, cap = dp_cell(shell, CPU2, """
+        data = torch.ones(3)                 # a tensor: stays in the workers
+        def uses(n=data.sum()):              # its default reads it: cannot run in the notebook
+            return n
+        first = model(X).shape[0]
+        square = lambda v: v * v             # bound by an assignment, not a def
+        """)
+    note = cap.stderr.split("left in the workers")[1].splitlines()[0]
+    assert "data" in note and "uses (NameError" in note and "square (not bound by a def" in note
+
+
+def test_launch_mode_without_anything_distributing_warns_of_repeated_work(shell):
+    run_cell(shell, SETUP)
+    with pytest.warns(UserWarning, match=r"nothing wrapped a model in DistributedDataParallel or FSDP: .* every "
+                                         r"rank did the whole training \(2 times the work"):
+        dp_cell(shell, CPU2 + " --launch", """
+            for x, y in loader:
+                opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+            """)
