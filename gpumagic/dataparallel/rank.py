@@ -87,7 +87,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
                       on_cpu=device.type == "cpu"), DistributionWatch() as watch:
             forget_kernel_process(ns)
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
-        if stats["steps"] and not watch.distributed(inner.values()) and ctx.rank == 0:
+        if stats["steps"] and ctx.world_size > 1 and ctx.rank == 0 and not watch.distributed(inner.values()):
             ctx.send({"kind": "warning", "text": (
                 f"launch mode: the cell took {stats['steps']} optimizer steps on each rank, but nothing wrapped a "
                 "model in DistributedDataParallel or FSDP: unless the cell averages gradients itself, every "
