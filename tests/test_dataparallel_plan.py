@@ -26,3 +26,62 @@ def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
     with pytest.raises(UsageError) as err:
         make_plan(gpus=[], **kwargs)
     assert says in str(err.value)
+
+
+# --- launch mode: options of gpumagic's DDP wrapper do not apply --------------------------------------
+
+from gpumagic.dataparallel.plan import Plan, check_launch  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    (dict(compile="default"), "--compile"),
+    (dict(static_graph=True), "--static-graph"),
+    (dict(find_unused=True), "--find-unused"),
+    (dict(grad_dtype="bf16"), "--grad-dtype"),
+    (dict(bucket_mb=25), "--bucket-mb"),
+    (dict(static_graph=True, bucket_mb=50, grad_dtype="bf16", compile="default"),
+     "--static-graph, --bucket-mb, --grad-dtype, --compile"),
+])
+def test_launch_refuses_the_ddp_wrapper_options_naming_them(kwargs, flags):
+    with pytest.raises(UsageError) as err:
+        make_plan(launch=True, gpus=[], **kwargs)
+    assert str(err.value).startswith(f"{flags} configure gpumagic's DDP wrapper, and with --launch the cell's own")
+    assert "valid choices: --devices, --nprocs" in str(err.value)
+    plan = make_plan(gpus=[], **kwargs)               # without --launch they are fine...
+    with pytest.raises(UsageError, match=f"^{flags} configure .* in launch mode \\(the cell builds a Lightning"):
+        check_launch(plan, "the cell builds a Lightning Trainer (L.Trainer)")   # ...until the cell says launch
+
+
+def test_launch_plan_keeps_the_options_that_apply():
+    plan = make_plan(launch=True, gpus=[], nprocs=2, timeout=60, seed=3, all_output=True, models="net")
+    assert (plan.launch, plan.devices, plan.backend, plan.timeout, plan.seed, plan.all_output, plan.models) == (
+        True, ["cpu", "cpu"], "gloo", 60.0, 3, True, ["net"])
+    assert make_plan(gpus=[]).launch is False
+
+
+def test_launch_with_strategy_dp_is_refused():
+    with pytest.raises(UsageError) as err:
+        make_plan(strategy="dp", launch=True, gpus=[])
+    assert str(err.value) == ("--launch runs the cell in worker processes, as torchrun would; --strategy dp runs it "
+                              "in the kernel; valid choices: --strategy ddp --launch, --strategy dp")
+
+
+def test_launch_with_remote_ranks_is_refused():
+    with pytest.raises(UsageError, match="^--remote: ranks on other machines do not run with --launch yet"):
+        make_plan(launch=True, remote=1, listen="127.0.0.1", gpus=[])
+
+
+@pytest.mark.parametrize("devices", [["cuda:1"], ["cuda:1", "cuda:0"], ["cuda:0", "cuda:2"]])
+def test_launch_needs_gpus_cuda0_to_n_in_order(devices):
+    with pytest.raises(UsageError) as err:
+        check_launch(Plan("ddp", devices, "nccl"), "--launch")
+    text = str(err.value)
+    assert text.startswith(f"--devices {','.join(devices)}: with --launch, rank k uses GPU LOCAL_RANK=k")
+    assert "cuda:0 to cuda:N-1 in order" in text and "CUDA_VISIBLE_DEVICES" in text
+    n = len(devices)
+    assert text.endswith(f"valid choices: --nprocs {n}, {','.join(f'cuda:{i}' for i in range(n))}")
+
+
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"], ["cpu", "cpu", "cpu"]])
+def test_launch_accepts_gpus_in_order_and_cpu_ranks(devices):
+    assert check_launch(Plan("ddp", devices, "nccl" if devices[0] != "cpu" else "gloo"), "--launch") is None
