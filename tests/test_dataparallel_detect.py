@@ -157,9 +157,6 @@ def test_notebook_function_that_calls_init_process_group_chooses_launch():
         "launch", "the cell calls init_process_group (dist.init_process_group)")
 
 
-@pytest.mark.xfail(strict=True, reason="detect._code_references resolves only module.attr (one level) in a "
-                   "notebook function's code: torch.distributed.init_process_group and "
-                   "torch.nn.parallel.DistributedDataParallel written out in full are not seen")
 @pytest.mark.parametrize("body", [
     "torch.distributed.init_process_group('gloo')",
     "return torch.nn.parallel.DistributedDataParallel(model)",
@@ -173,8 +170,6 @@ def test_notebook_function_with_fully_qualified_torch_call_chooses_launch(body):
     assert mode("train(model)", ns, ["train", "model"])[0] == "launch"
 
 
-@pytest.mark.xfail(strict=True, reason="a notebook function reached through another notebook function is not "
-                   "looked at: _code_references does not follow the functions it finds")
 def test_notebook_function_called_through_a_helper_chooses_launch():
     pytest.importorskip("transformers")
     ns = notebook("""\
@@ -187,8 +182,6 @@ def test_notebook_function_called_through_a_helper_chooses_launch():
     assert mode("train(model, args)", ns, ["train"])[0] == "launch"
 
 
-@pytest.mark.xfail(strict=True, reason="detect._matches: the trl clause is inside `parts[0] in roots` with roots "
-                   "('transformers',), so an unresolved trl.SFTTrainer (a cell's own import) never matches")
 def test_cell_importing_trl_sft_trainer_chooses_launch():
     assert mode("from trl import SFTTrainer\ntrainer = SFTTrainer(model=model)")[0] == "launch"
 

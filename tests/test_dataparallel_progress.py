@@ -50,3 +50,16 @@ def test_ranks_on_the_cpu_show_no_gpu_columns():
     progress = Progress(["cpu", "cpu"], shell=None)
     progress.update(0, {"steps": 1, "samples": 2, "seconds": 1.0})
     assert progress.header == Progress.HEADER and len(progress.rows()[0]) == len(Progress.HEADER)
+
+
+def test_samples_not_counted_in_launch_mode_show_as_a_dash_not_zero():
+    import io
+
+    from gpumagic.dataparallel.progress import Progress
+    out = io.StringIO()
+    progress = Progress(["cpu", "cpu"], shell=None, after=0.0, every=10.0, stream=out)
+    for rank in (0, 1):   # launch mode: the framework reads the data, gpumagic counts steps only
+        progress.update(rank, {"steps": 12, "samples": None, "seconds": 3.0})
+    progress.tick()
+    assert progress.rows()[0][2:6] == ["12", "4.0", "-", "-"]
+    assert "rank 0: 12 steps, 4.0 steps/s" in out.getvalue() and "samples/s" not in out.getvalue()

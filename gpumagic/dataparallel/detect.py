@@ -27,7 +27,7 @@ __all__ = ["choose_mode", "framework_of", "DISTRIBUTING"]
 # (package roots, class or function name, what to call it): what distributes by itself. A class
 # matches through its bases, so Seq2SeqTrainer and trl's SFTTrainer are Hugging Face Trainers.
 DISTRIBUTING = (
-    (("transformers",), "Trainer", "a Hugging Face Trainer"),
+    (("transformers", "trl"), "Trainer", "a Hugging Face Trainer"),
     (("accelerate",), "Accelerator", "an accelerate Accelerator"),
     (("lightning", "pytorch_lightning"), "Trainer", "a Lightning Trainer"),
     (("lightning", "lightning_fabric"), "Fabric", "a Lightning Fabric"),
@@ -131,20 +131,38 @@ def _references(tree: ast.AST, ns: dict, used: list[str]) -> Iterator[tuple[str,
             yield from _code_references(fn.__code__, fn.__globals__)
 
 
-def _code_references(code: types.CodeType, globals_: dict) -> Iterator[tuple[str, object]]:
+def _code_references(code: types.CodeType, globals_: dict, seen: set | None = None) -> Iterator[tuple[str, object]]:
+    """What a notebook function's code refers to: its globals, attribute chains from the modules among
+    them (``torch.distributed.init_process_group``), and what the notebook functions it calls refer to."""
+    seen = set() if seen is None else seen
+    if id(code) in seen:
+        return
+    seen.add(id(code))
     names = set(code.co_names)
     for name in names:
         value = globals_.get(name)
         if isinstance(value, types.ModuleType):
-            for attr in names:
-                sub = getattr(value, attr, None)
-                if sub is not None and not isinstance(sub, types.ModuleType):
-                    yield f"{name}.{attr}", sub
+            yield from _module_attributes(name, value, names, depth=3)
+        elif isinstance(value, types.FunctionType):
+            yield name, value
+            yield from _code_references(value.__code__, value.__globals__, seen)
         elif value is not None:
             yield name, value
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _code_references(const, globals_)
+            yield from _code_references(const, globals_, seen)
+
+
+def _module_attributes(dotted: str, module: types.ModuleType, names: set, depth: int) -> Iterator[tuple[str, object]]:
+    for attr in names:
+        sub = getattr(module, attr, None)
+        if sub is None:
+            continue
+        if isinstance(sub, types.ModuleType):
+            if depth > 1:
+                yield from _module_attributes(f"{dotted}.{attr}", sub, names, depth - 1)
+        else:
+            yield f"{dotted}.{attr}", sub
 
 
 def _imports(tree: ast.AST) -> dict[str, str]:

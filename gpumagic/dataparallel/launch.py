@@ -46,6 +46,7 @@ def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: s
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
         # The store behind MASTER_PORT is rank 0's (as with torchrun --standalone), not an agent's.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
     if on_cpu:
         values["ACCELERATE_USE_CPU"] = "true"

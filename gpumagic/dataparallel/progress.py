@@ -49,8 +49,9 @@ class Progress:
                 row = [str(rank), device, "-", "-", "-", "-"]
             else:
                 secs = max(s.get("seconds", 0.0), 1e-9)
+                samples = s.get("samples")   # None: not counted (launch mode: the framework reads the data)
                 row = [str(rank), device, str(s.get("steps", 0)), f"{s.get('steps', 0) / secs:.1f}",
-                       str(s.get("samples", 0)), f"{s.get('samples', 0) / secs:,.0f}"]
+                       "-" if samples is None else str(samples), "-" if samples is None else f"{samples / secs:,.0f}"]
             if self.gpu_handles:
                 load = self.gpu_load(rank)
                 row += [f"{load['util']}%" if load.get("util") is not None else "-",
@@ -106,8 +107,10 @@ class Progress:
             stream = self.stream or sys.stderr
             parts = []
             for r, s in sorted(self.stats.items()):
-                part = (f"rank {r}: {s.get('steps', 0)} steps, "
-                        f"{s.get('samples', 0) / max(s.get('seconds', 0.0), 1e-9):,.0f} samples/s")
+                secs = max(s.get("seconds", 0.0), 1e-9)
+                part = f"rank {r}: {s.get('steps', 0)} steps" + (
+                    f", {s['samples'] / secs:,.0f} samples/s" if s.get("samples") is not None
+                    else f", {s.get('steps', 0) / secs:.1f} steps/s")
                 util = self.gpu_load(r).get("util")
                 parts.append(part + (f", GPU {util}%" if util is not None else ""))
             print(f"[dataparallel {now - self.t0:.0f} s] " + " | ".join(parts), file=stream)

@@ -76,7 +76,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     for opt in opts.values():
         opt.load_state_dict(opt.state_dict())
     shapes_before = {name: _shapes(module) for name, module in inner.items()}
-    stats = {"steps": 0, "samples": 0, "seconds": 0.0}
+    # In launch mode the framework reads the data: its samples are not counted (None, shown as "-").
+    stats = {"steps": 0, "samples": None if launch else 0, "seconds": 0.0}
     if not launch:
         _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
