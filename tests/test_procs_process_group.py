@@ -50,7 +50,10 @@ with launched(rank, world, env_port, "pg-test", on_cpu=True):
     out["env_user"] = [pg.is_pool_group(), dist.get_world_size(), dist.get_rank(), total()]
 out["ensure_after_env"] = [pg.ensure_pool_group(), pg.is_pool_group(), total()]
 dist.destroy_process_group()
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+# As a worker leaves (procs/worker.py): interpreter teardown with gloo's threads about can abort.
+import os
+os._exit(0)
 """
 
 
