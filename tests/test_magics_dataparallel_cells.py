@@ -111,3 +111,23 @@ def test_launch_mode_without_anything_distributing_warns_of_repeated_work(shell)
             for x, y in loader:
                 opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
             """)
+
+
+def test_a_model_built_in_the_cell_comes_back_whole(shell):
+    run_cell(shell, SETUP)
+    _, cap = dp_cell(shell, CPU2 + " --launch", """
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        head = torch.nn.Linear(8, 1)
+        ddp = DDP(head)                     # the cell's name for the wrapper: the model inside comes back
+        hopt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x, y in loader:
+            hopt.zero_grad(); torch.nn.functional.mse_loss(ddp(x), y).backward(); hopt.step()
+        sums = [None, None]
+        dist.all_gather_object(sums, float(head.weight.sum()))
+        """)
+    ns = shell.user_ns
+    assert type(ns["head"]) is torch.nn.Linear and type(ns["ddp"]) is torch.nn.Linear
+    assert float(ns["head"].weight.sum()) == ns["sums"][0] == ns["sums"][1]
+    assert "models built in the cell (on the CPU): head, ddp" in cap.stderr
+    assert "hopt" in cap.stderr.split("left in the workers")[1].splitlines()[0]

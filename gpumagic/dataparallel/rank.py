@@ -110,7 +110,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         state = _rank0_state(ns, meta, inner, opts, value)
         # A module whose layers the cell replaced comes back whole: the notebook's takes its layers.
         state["reshaped"] = {n: m for n, m in inner.items() if _shapes(m) != shapes_before[n]}
-        packed = pack(state, targets=_all_cpu(state), fingerprint=False, scratch=ctx.outgoing)
+        packed = _pack_state(state, ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
         buffer = packed.data()
@@ -225,6 +225,7 @@ def _trained_tensors(tensors: list, inner: dict, opts: dict) -> list:
 
 
 def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
+    import torch
     state: dict = {
         "modules": {n: m.state_dict() for n, m in inner.items()},
         "optimizers": {n: o.state_dict() for n, o in opts.items()},
@@ -232,6 +233,7 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "values": {},
         "assigned": meta["assigned"],
         "not_returned": [],
+        "made": {},
         "value": _returnable(value),
         # Functions, classes and modules the cell bound: the kernel runs their statements again.
         "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
@@ -245,8 +247,46 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             state["values"][n] = _detached(v)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
-            state["not_returned"].append(n)
+            model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
+            if model is not None and _stands_alone(model, inner):
+                state["made"][n] = model   # a model the cell built: it comes back whole
+            else:
+                state["not_returned"].append(n)
     return state
+
+
+def _unwrapped(module):
+    """The user's module inside DDP wrappers and torch.compile's OptimizedModule."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _stands_alone(model, inner: dict) -> bool:
+    """A model of its own: not a framework's wrapper around the notebook's modules (those come back
+    in place) and holding no process-bound wrapper (DDP) inside."""
+    from torch.nn.parallel import DistributedDataParallel
+    mine = {id(m) for m in inner.values()}
+    return not any(id(m) in mine or isinstance(m, DistributedDataParallel) for m in model.modules())
+
+
+def _pack_state(state: dict, scratch):
+    """Pack rank 0's state; a model made in the cell that cannot travel is named instead."""
+    try:
+        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
+    except Exception as exc:
+        if not state["made"]:
+            raise
+        logger.debug("models made in the cell could not be packed", exc_info=True)
+        state["not_returned"] += [f"{n} ({type(exc).__name__}: {exc})" for n in state["made"]]
+        state["made"] = {}
+        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
 
 
 def _shapes(module) -> dict:

@@ -25,6 +25,7 @@ class CellResult:
     stateful: list[str]
     values: list[str] = field(default_factory=list)          # plain values bound in the notebook
     defined: list[str] = field(default_factory=list)         # functions, classes, modules the cell bound
+    made: list[str] = field(default_factory=list)            # models the cell built, brought back whole
     not_returned: list[str] = field(default_factory=list)    # assigned names left in the workers
     value: object = None                                     # rank 0's last expression
     per_rank: dict = field(default_factory=dict)             # rank -> steps, samples, seconds
@@ -43,6 +44,8 @@ class CellResult:
         text = f"%%dataparallel: {ranks}{step_text}; trained state loaded into {what}"
         if self.values:
             text += f"; values: {', '.join(self.values)}"
+        if self.made:
+            text += f"; models built in the cell (on the CPU): {', '.join(self.made)}"
         if self.defined:
             text += f"; defined: {', '.join(self.defined)}"
         return text
@@ -100,7 +103,13 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         elif name in state.get("assigned", ()) or not _equal(old, value):
             ns[name] = value
             bound.append(name)
-    return {"values": bound}
+    made = []
+    for name, module in (state.get("made") or {}).items():
+        # A model the cell built: a copy, since its tensors are views of a buffer the next cell reuses.
+        import copy
+        ns[name] = copy.deepcopy(module)
+        made.append(name)
+    return {"values": bound, "made": made}
 
 
 _MISSING = object()

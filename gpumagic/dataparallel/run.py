@@ -222,7 +222,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     _last = CellResult(
         devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
         optimizers=list(survey.optimizers), loaders=list(survey.loaders), stateful=survey.stateful,
-        values=state["bound"], defined=defined, not_returned=state.get("not_returned", []) + not_defined,
+        values=state["bound"], defined=defined, made=state["made_names"],
+        not_returned=state.get("not_returned", []) + not_defined,
         value=state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
@@ -281,7 +282,8 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey) -> dict:
         # Weights are copied into the notebook's tensors; values are kept: they must not be
         # views of the receive buffer that the next cell reuses.
         state["values"], state["value"] = cloned(state["values"]), cloned(state.get("value"))
-        state["bound"] = load_into_notebook(ns, state, survey.modules, survey.optimizers, survey.stateful)["values"]
+        loaded = load_into_notebook(ns, state, survey.modules, survey.optimizers, survey.stateful)
+        state["bound"], state["made_names"] = loaded["values"], loaded["made"]
     except BaseException:
         pool.held = set()
         raise
