@@ -38,3 +38,24 @@ def dp_cell(shell, line, body):
     with capture_output() as cap:
         value = shell.run_cell_magic("dataparallel", line, textwrap.dedent(body))
     return value, cap
+
+
+def interrupt_once_training(shell, line, cell, marker, timeout=120.0) -> None:
+    """Run ``%%dataparallel line`` over ``cell`` and interrupt the kernel once ``marker`` exists (the cell
+    touches it from a training step); expects the KeyboardInterrupt that follows."""
+    import _thread
+    import threading
+
+    import pytest
+
+    def interrupt_when_training():
+        deadline = time.monotonic() + timeout
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+    watcher = threading.Thread(target=interrupt_when_training, daemon=True)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt):
+        dp_cell(shell, line, cell)
+    watcher.join()
+    assert marker.exists(), "interrupted before training began"

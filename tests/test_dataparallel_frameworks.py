@@ -8,16 +8,12 @@ ends the ranks and the next cell works. The cells are in framework_cells.py.
 """
 from __future__ import annotations
 
-import _thread
-import threading
-import time
-
 import pytest
 import torch
 
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
+from tests.dataparallel_helpers import dp_cell, dp_pool, interrupt_once_training, wait_dead
 from tests.framework_cells import CASES, SETUP
 
 pytest.importorskip("transformers")
@@ -119,17 +115,7 @@ def test_an_interrupt_ends_the_ranks_and_the_next_cell_works(shell, case, tmp_pa
     pids = list(dp_pool().pids)
     marker = tmp_path / "training"
 
-    def interrupt_when_training():
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _thread.interrupt_main()
-    watcher = threading.Thread(target=interrupt_when_training, daemon=True)
-    watcher.start()
-    with pytest.raises(KeyboardInterrupt):
-        dp_cell(shell, CPU2, cell)
-    watcher.join()
-    assert marker.exists()
+    interrupt_once_training(shell, CPU2, cell, marker)
     assert wait_dead(pids, timeout=5.0) == []
     shell.user_ns["MODE"] = "train"
     dp_cell(shell, CPU2, "ok = os.getpid()\nmodel(X)\n")

@@ -7,16 +7,12 @@ Run on the GPU machine: ``pytest -m gpu2 tests/test_dataparallel_frameworks_gpu.
 """
 from __future__ import annotations
 
-import _thread
-import threading
-import time
-
 import pytest
 import torch
 
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
+from tests.dataparallel_helpers import dp_cell, dp_pool, interrupt_once_training, wait_dead
 from tests.framework_cells import CASES, SETUP
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
@@ -89,16 +85,7 @@ def test_gpu_rank_error_and_interrupt(shell, case, tmp_path):
     dp_cell(shell, "", "warm = 1\nmodel(X.cuda())\n")
     pids = list(dp_pool().pids)
 
-    def interrupt_when_training():
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _thread.interrupt_main()
-    watcher = threading.Thread(target=interrupt_when_training, daemon=True)
-    watcher.start()
-    with pytest.raises(KeyboardInterrupt):
-        dp_cell(shell, "", cell)
-    watcher.join()
+    interrupt_once_training(shell, "", cell, marker)
     assert wait_dead(pids, timeout=10.0) == []
     ns["MODE"] = "train"
     dp_cell(shell, "", "ok = 1\nmodel(X.cuda())\n")
