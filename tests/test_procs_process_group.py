@@ -1,5 +1,6 @@
-"""A worker's process group (gpumagic.procs.process_group): the pool's, given way to when the cell calls
-init_process_group, formed again at the next task. Two real CPU processes (gloo, a FileStore)."""
+"""A worker's process group (gpumagic.procs.process_group): the pool's, kept when the cell asks for that
+group and through destroy_process_group, given way to when it asks for another, formed again at the next
+task. Two real CPU processes (gloo, a FileStore)."""
 from __future__ import annotations
 
 import json
@@ -39,17 +40,25 @@ out["user"] = [pg.is_pool_group(), dist.group.WORLD is pool, dist.get_world_size
 out["ensure"] = [pg.ensure_pool_group(), pg.is_pool_group(), total()]
 out["ensure_again"] = [pg.ensure_pool_group(), pg.is_pool_group()]
 
+# torchrun code destroys its group at its end: the pool's stays, for the next cell.
 dist.destroy_process_group()
-out["destroyed"] = [pg.is_pool_group(), dist.is_initialized()]
+out["destroyed"] = [pg.is_pool_group(), dist.is_initialized(), dist.group.WORLD is pg._state["group"]]
 out["ensure_after_destroy"] = [pg.ensure_pool_group(), pg.is_pool_group(), total()]
+# A group the cell left (or none, torch's own destroy) is replaced at the next task.
+pg._state["original_destroy"]()
+out["really_destroyed"] = [pg.is_pool_group(), dist.is_initialized()]
+out["ensure_after_really"] = [pg.ensure_pool_group(), pg.is_pool_group(), total()]
 
-# Imported by name after join, through torchrun's environment (env://), as frameworks call it.
+# Imported by name after join, through torchrun's environment (env://), as torchrun code calls it: the
+# call asks for the group the pool has (env://, this world size and rank, gloo), so it is that group.
 from torch.distributed import init_process_group
+pool = dist.group.WORLD
 with launched(rank, world, env_port, "pg-test", on_cpu=True):
     init_process_group("gloo")
-    out["env_user"] = [pg.is_pool_group(), dist.get_world_size(), dist.get_rank(), total()]
+    out["env_user"] = [pg.is_pool_group(), dist.group.WORLD is pool, dist.get_world_size(), dist.get_rank(), total()]
+    init_process_group(backend="gloo", init_method="env://", world_size=world, rank=rank)
+    out["env_user_explicit"] = [pg.is_pool_group(), dist.group.WORLD is pool]
 out["ensure_after_env"] = [pg.ensure_pool_group(), pg.is_pool_group(), total()]
-dist.destroy_process_group()
 print(json.dumps(out), flush=True)
 # As a worker leaves (procs/worker.py): interpreter teardown with gloo's threads about can abort.
 import os
@@ -77,8 +86,11 @@ def test_pool_group_gives_way_to_the_cell_and_forms_again(tmp_path):
             "user": [False, False, 2, rank, 3.0],
             "ensure": [True, True, 3.0],
             "ensure_again": [False, True],
-            "destroyed": [False, False],
-            "ensure_after_destroy": [True, True, 3.0],
-            "env_user": [False, 2, rank, 3.0],
-            "ensure_after_env": [True, True, 3.0],
+            "destroyed": [True, True, True],
+            "ensure_after_destroy": [False, True, 3.0],
+            "really_destroyed": [False, False],
+            "ensure_after_really": [True, True, 3.0],
+            "env_user": [True, True, 2, rank, 3.0],
+            "env_user_explicit": [True, True],
+            "ensure_after_env": [False, True, 3.0],
         }

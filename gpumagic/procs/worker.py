@@ -339,9 +339,8 @@ def _watchdog(ctx: WorkerContext) -> None:
 
 def _leave(conn) -> None:
     try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        from .process_group import leave
+        leave()
     except Exception:  # leaving anyway: the process group dies with the process
         logger.debug("destroy_process_group failed", exc_info=True)
     try:
