@@ -41,7 +41,8 @@ class CellResult:
         ranks = f"{len(self.devices)} rank{'s' if len(self.devices) != 1 else ''} ({self.backend})"
         steps = {s.get("steps", 0) for s in self.per_rank.values()}
         step_text = f", {next(iter(steps))} optimizer steps each" if len(steps) == 1 and steps != {0} else ""
-        text = f"%%dataparallel: {ranks}{step_text}; trained state loaded into {what}"
+        text = f"%%dataparallel: {ranks}{step_text}; " + (
+            f"trained state loaded into {what}" if what else "no notebook model used (nothing loaded in place)")
         if self.values:
             text += f"; values: {', '.join(self.values)}"
         if self.made:

@@ -81,14 +81,15 @@ def read_names(tree, shell) -> list[str]:
     return notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
 
 
-def survey_cell(tree, shell, plan: Plan, launch: bool = False) -> CellSurvey:
+def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] | None = None) -> CellSurvey:
     """Find what the cell trains; ``UsageError`` before anything starts when it cannot run.
 
     In launch mode the cell's framework splits the data, and the model may be made in the cell.
+    ``used``: the cell's :func:`read_names`, where the caller has them already.
     """
     import torch
     ns = shell.user_ns
-    used = read_names(tree, shell)
+    used = read_names(tree, shell) if used is None else used
     probe = names_tree(used)
     modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch)
     optimizers = find_optimizers(probe, ns, modules)
@@ -178,11 +179,12 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_begin = time.monotonic()
     ns = shell.user_ns
     compiled = compile_cell(shell, cell, header=header)
-    mode, why = choose_mode(compiled.tree, ns, read_names(compiled.tree, shell), launch=plan.launch)
+    used = read_names(compiled.tree, shell)
+    mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
     launch = mode == "launch"
     if launch:
         check_launch(plan, why)
-    survey = survey_cell(compiled.tree, shell, plan, launch=launch)
+    survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used)
     if launch and not plan.launch:
         note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
              "started, and the cell's own code wraps the model and splits the data")
