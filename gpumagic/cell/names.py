@@ -14,7 +14,7 @@ import ast
 import re
 import types
 
-__all__ = ["names_read", "names_assigned", "free_reads", "used_names", "loop_targets", "names_tree",
+__all__ = ["names_read", "names_assigned", "import_bindings", "free_reads", "used_names", "loop_targets", "names_tree",
            "notebook_names"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
@@ -31,6 +31,15 @@ def names_read(tree: ast.AST) -> list[str]:
     return list(seen)
 
 
+def import_bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
+    """``(local name, dotted name it binds)`` for each name an import statement binds
+    (``import a.b`` binds ``a``; ``from m import x as y`` binds ``y`` to ``m.x``; ``*`` is left out)."""
+    if isinstance(node, ast.Import):
+        return [(a.asname, a.name) if a.asname else (a.name.split(".")[0], a.name.split(".")[0]) for a in node.names]
+    module = "." * node.level + (node.module or "")
+    return [(a.asname or a.name, f"{module}.{a.name}") for a in node.names if a.name != "*"]
+
+
 def names_assigned(tree: ast.AST) -> list[str]:
     """Names the cell binds at its top level (``loss = ...``, ``for epoch in ...``, ``import math``)."""
     seen: dict[str, None] = {}
@@ -39,9 +48,8 @@ def names_assigned(tree: ast.AST) -> list[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is stmt:
                 seen.setdefault(node.name, None)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    if alias.name != "*":
-                        seen.setdefault(alias.asname or alias.name.split(".")[0], None)
+                for local, _ in import_bindings(node):
+                    seen.setdefault(local, None)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 seen.setdefault(node.id, None)
             elif isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
@@ -182,9 +190,7 @@ def _block(stmts, bound: set, reads: dict) -> None:
             _block(st.orelse, set(bound), reads)
             _block(st.finalbody, set(bound), reads)
         elif isinstance(st, (ast.Import, ast.ImportFrom)):
-            for alias in st.names:
-                if alias.name != "*":
-                    bound.add(alias.asname or alias.name.split(".")[0])
+            bound.update(local for local, _ in import_bindings(st))
         elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             # Reads inside may happen at any later call: count them all (minus the function's own names).
             own = {a.arg for a in ast.walk(st) if isinstance(a, ast.arg)} | _store_names(st)

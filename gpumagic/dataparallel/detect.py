@@ -20,6 +20,7 @@ import ast
 import types
 from collections.abc import Iterator
 
+from ..cell.names import import_bindings
 from ..errors import usage_error
 
 __all__ = ["choose_mode", "framework_of", "DISTRIBUTING"]
@@ -166,16 +167,9 @@ def _module_attributes(dotted: str, module: types.ModuleType, names: set, depth:
 
 
 def _imports(tree: ast.AST) -> dict[str, str]:
-    """Local name -> dotted name, for the cell's own imports."""
-    names = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            for a in node.names:
-                names[a.asname or a.name] = f"{node.module}.{a.name}"
-    return names
+    """Local name -> dotted name, for the cell's own (absolute) imports."""
+    return {local: dotted for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for local, dotted in import_bindings(node) if not dotted.startswith(".")}
 
 
 def _chain(node: ast.AST) -> list[str] | None:

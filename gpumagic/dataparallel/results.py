@@ -164,13 +164,15 @@ def define_in_notebook(ns: dict, tree, filename: str, names: list[str]) -> tuple
     modules (``def``, ``class``, ``import``): they exist there as after a plain cell, reading the
     notebook's names. Returns ``(defined, not_defined)``, the second with the reason for each."""
     import ast
+
+    from ..cell.names import import_bindings
     last: dict[str, ast.stmt] = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             last[node.name] = node
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                last[alias.asname or alias.name.split(".")[0]] = node
+            for local, _ in import_bindings(node):
+                last[local] = node
     done, failed, run = [], [], set()
     for name in names:
         node = last.get(name)
