@@ -19,7 +19,7 @@ from ..procs.seeding import check_seed
 
 __all__ = ["Plan", "make_plan", "check_launch", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
 
-STRATEGIES = ("ddp", "dp")
+STRATEGIES = ("ddp", "fsdp", "dp")
 BACKENDS = ("nccl", "gloo")
 POOL_NAME = "dataparallel"
 CPU_DEFAULT_NPROCS = 2
@@ -28,7 +28,7 @@ CPU_DEFAULT_NPROCS = 2
 @dataclass
 class Plan:
     """What a ``%%dataparallel`` cell will do."""
-    strategy: str                       # "ddp" | "dp"
+    strategy: str                       # "ddp" | "fsdp" | "dp"
     devices: list[str]                  # one per rank (ddp) or per replica (dp)
     backend: str | None = None          # ddp only
     timeout: float = 1800.0
@@ -44,6 +44,13 @@ class Plan:
     grad_dtype: str = "fp32"            # the dtype gradients are all-reduced in
     compile: str | None = None          # torch.compile mode for the cell's models; None: eager
     launch: bool = False                # --launch: every rank as a torchrun process, whatever the cell
+    wrap: list[str] | None = None       # fsdp: the block classes sharded as units (None: the repeated blocks)
+    keep_optimizer: bool = False        # fsdp: the optimizer's state stays in the workers
+
+    @property
+    def processes(self) -> bool:
+        """Worker processes, one per device (ddp, fsdp), rather than the kernel alone (dp)."""
+        return self.strategy != "dp"
 
     @property
     def world_size(self) -> int:
@@ -59,7 +66,8 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
               find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
               listen: str | None = None, oversubscribe: bool = False, grad_dtype: str | None = None,
-              compile: str | None = None, launch: bool = False, gpus=None) -> Plan:
+              compile: str | None = None, launch: bool = False, wrap: str | None = None,
+              keep_optimizer: bool = False, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
 
     ``gpus`` (a list of :class:`gpumagic.devices.Gpu`) defaults to the visible ones.
@@ -68,13 +76,15 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     gpus = devmod.visible_gpus() if gpus is None else gpus
     strategy = (strategy or "ddp").lower()
     backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
+    _check_fsdp_options(strategy, wrap, keep_optimizer, static_graph=static_graph, find_unused=find_unused,
+                        bucket_mb=bucket_mb, grad_dtype=grad_dtype, compile=compile, launch=launch)
     check_seed(seed)
     grad_dtype = _check_grad_dtype(grad_dtype, strategy)
     compile_mode = _check_compile(compile, strategy)
     notes: list[str] = []
     listed = _listed_devices(devices, gpus)
     chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
-    if strategy == "ddp" and chosen[0] == "cpu":
+    if strategy != "dp" and chosen[0] == "cpu":
         crowded = check_process_count(len(chosen), oversubscribe)
         if crowded:
             notes.append(crowded)
@@ -89,9 +99,9 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
     if remote:
         listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
-    plan = Plan("ddp", chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
+    plan = Plan(strategy, chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
                 static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype, compile_mode,
-                bool(launch))
+                bool(launch), _split(wrap) or None, bool(keep_optimizer))
     if launch:
         check_launch(plan, "--launch")
     return plan
@@ -117,6 +127,25 @@ def check_launch(plan: Plan, why: str) -> None:
                           "torchrun, so the ranks need cuda:0 to cuda:N-1 in order; to train on other GPUs, start "
                           "the kernel with CUDA_VISIBLE_DEVICES naming them",
                           [f"--nprocs {len(gpus)}", ",".join(f"cuda:{i}" for i in range(len(gpus)))])
+
+
+def _check_fsdp_options(strategy: str, wrap, keep_optimizer: bool, **ddp_options) -> None:
+    """--wrap and --keep-optimizer belong to fsdp; DDP's wrapper options and --launch do not."""
+    if strategy != "fsdp":
+        given = [flag for flag, value in (("--wrap", wrap), ("--keep-optimizer", keep_optimizer)) if value]
+        if given:
+            raise usage_error(f"{', '.join(given)} configure(s) the sharding of --strategy fsdp", ["--strategy fsdp"])
+        return
+    if wrap is not None and not _split(wrap):
+        raise usage_error("--wrap is empty: name the model's block classes, comma-separated",
+                          ["--wrap TransformerEncoderLayer", "drop --wrap (the repeated blocks are found)"])
+    ours = [f"--{name.replace('_', '-')}" for name, value in ddp_options.items()
+            if value and not (name == "grad_dtype" and str(value).lower() == "fp32")]
+    if ours:
+        why = ("--launch runs the cell's own distribution, not gpumagic's FSDP" if "--launch" in ours
+               else "they configure the DDP wrapper, which --strategy fsdp does not use")
+        raise usage_error(f"{', '.join(ours)} with --strategy fsdp: {why}",
+                          ["--strategy fsdp --wrap CLASS", "--strategy fsdp --keep-optimizer", "--strategy ddp"])
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -163,8 +192,9 @@ def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_co
                           ["--bucket-mb 25 (default)", "--bucket-mb 100"])
     if remote is not None and remote < 0:
         raise usage_error(f"--remote {remote}: the number of ranks joining from other machines", ["--remote 8"])
-    if remote and strategy == "dp":
-        raise usage_error("--remote needs worker processes; --strategy dp runs in the kernel", ["--strategy ddp"])
+    if remote and strategy != "ddp":
+        raise usage_error(f"--remote: ranks on other machines run --strategy ddp only; --strategy {strategy} "
+                          "runs on this machine", ["--strategy ddp"])
     return backend
 
 
@@ -209,7 +239,7 @@ def _choose_devices(listed: list[str], nprocs, strategy: str, gpu_names: list[st
         return gpu_names[:nprocs]
     if gpu_names:
         return list(gpu_names)
-    if strategy == "ddp":
+    if strategy != "dp":
         notes.append(f"no GPU visible: {CPU_DEFAULT_NPROCS} CPU processes (gloo); --nprocs N for another count")
         return ["cpu"] * CPU_DEFAULT_NPROCS
     return ["cpu"]

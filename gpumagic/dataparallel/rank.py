@@ -27,6 +27,7 @@ from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
+from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -59,23 +60,29 @@ def rank_main(ctx, meta: dict, data):
         return _run_cell(ctx, meta, data, store)
     except BaseException:
         store.clear()  # tensors handed to the failed cell may be half-updated
+        forget_kept(ctx)
         raise
 
 
 def _run_cell(ctx, meta: dict, data, store: TensorStore):
     device = ctx.torch_device
     _apply_flags(meta["flags"])
-    ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store)
+    fsdp = meta.get("fsdp")
+    ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store, shared=meta.get("shared"),
+                                   stand_ins=kept_objects(ctx, fsdp) if fsdp else None)
     _prepare_namespace(ns, meta, device)
     seed_all(meta["seed"])
     launch = meta.get("launch")
-    # Launch mode: the cell's framework wraps and moves the modules; they train in place.
-    inner = {name: ns[name] for name in meta["modules"]} if launch else _wrap_modules(ns, meta, device)
-    # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
     opts = {name: ns[name] for name in meta["optimizers"]}
-    for opt in opts.values():
-        opt.load_state_dict(opt.state_dict())
-    shapes_before = {name: _shapes(module) for name, module in inner.items()}
+    if fsdp:
+        inner = shard_modules(ctx, ns, meta, device)    # the optimizers follow their parameters into shards
+    else:
+        # Launch mode: the cell's framework wraps and moves the modules; they train in place.
+        inner = {name: ns[name] for name in meta["modules"]} if launch else _wrap_modules(ns, meta, device)
+        # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
+        for opt in opts.values():
+            opt.load_state_dict(opt.state_dict())
+    shapes_before = {name: _shapes(module) for name, module in inner.items()} if not fsdp else {}
     # In launch mode the framework reads the data: its samples are not counted (None, shown as "-").
     stats = {"steps": 0, "samples": None if launch else 0, "seconds": 0.0}
     if not launch:
@@ -103,6 +110,11 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     for module in inner.values():
         for p in module.parameters():
             p.grad = None
+    if fsdp:
+        # The shards stay with sharding's own keeping; the store keeps the data the cell read.
+        keys = store.rebuild(_trained_tensors(tensors, {}, {}))
+        return _gathered_payload(ctx, ns, meta, inner, opts, value, {
+            "stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None})
     keys = store.rebuild(_trained_tensors(tensors, inner, opts))
     payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
     buffer = None
@@ -114,6 +126,21 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
         buffer = packed.data()
+    return payload, buffer
+
+
+def _gathered_payload(ctx, ns: dict, meta: dict, inner: dict, opts: dict, value, payload: dict):
+    """--strategy fsdp: rank 0's plain values packed, then every rank gathers the sharded state
+    (rank 0 writing it into the notebook's tensors or after those values)."""
+    prefix = None
+    if ctx.rank == 0:
+        state = _rank0_state(ns, meta, inner, opts, value)
+        state["modules"], state["optimizers"] = {}, {}   # these are gathered below, a tensor at a time
+        packed = _pack_state(state, None)
+        payload["state"], prefix = packed.header, packed.data()
+    gathered, buffer = gather_into_notebook(ctx, meta, inner, opts, prefix)
+    payload["fsdp"] = gathered
+    payload["returned_bytes"] = buffer.numel() if buffer is not None else 0
     return payload, buffer
 
 

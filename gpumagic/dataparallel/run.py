@@ -40,6 +40,7 @@ from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.wire import Unshippable, pack_namespace
 from .detect import choose_mode
+from .fsdp import choose_all_blocks, load_gathered, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
@@ -123,19 +124,19 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
 
 
-def _tensor_targets(survey: CellSurvey) -> dict:
-    """Tensors of the trained modules go to the rank's device; optimizer state stays put until the
-    optimizer's own load_state_dict places it beside its parameter."""
+def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
+    """Tensors of the trained modules go to the rank's device (``modules_to``: fsdp shards them from
+    the CPU); optimizer state stays put until the optimizer places it beside its parameter."""
     import torch
     targets = {}
     for m in survey.modules.values():
         for t in m.state_dict(keep_vars=True).values():
-            targets[id(t)] = "rank"
+            targets[id(t)] = modules_to
     for opt in survey.optimizers.values():
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    targets[id(v)] = "keep"
+                    targets[id(v)] = "keep" if modules_to == "rank" else modules_to
     return targets
 
 
@@ -183,8 +184,14 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
     launch = mode == "launch"
     if launch:
+        if plan.strategy == "fsdp":
+            raise usage_error(f"--strategy fsdp shards a hand-written loop's model, but {why}, which distributes "
+                              "by itself (launch mode): ask it for FSDP (TrainingArguments(fsdp=...), accelerate's "
+                              "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
+                              ["%%dataparallel", "%%dataparallel --launch"])
         check_launch(plan, why)
     survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used)
+    blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
     if launch and not plan.launch:
         note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
              "started, and the cell's own code wraps the model and splits the data")
@@ -192,9 +199,14 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_before_pool = time.monotonic()
     pool, started = _pool(plan)
     t_pool = time.monotonic()
+    shipment = prepare_shipment(compiled.tree, survey.modules, survey.optimizers, pool, blocks,
+                                plan.keep_optimizer) if blocks is not None else None
     try:
-        packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns, targets=_tensor_targets(survey),
-                                   held=pool.held, scratch=pool.outgoing)
+        packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns,
+                                   targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
+                                   held=pool.held, scratch=pool.outgoing,
+                                   share=shipment.share if shipment else None,
+                                   stand_ins=shipment.stand_ins if shipment else None)
     except Unshippable as exc:
         raise _unshippable(exc) from None
     t_packed = time.monotonic()
@@ -208,13 +220,15 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
         "launch": {"master_port": free_loopback_port(), "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
         if launch else None,
+        "fsdp": shipment.config if shipment else None,
+        "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
                 "grad_dtype": plan.grad_dtype, "compile": plan.compile},
     }
     results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
     t_ranks_done = time.monotonic()
     payload, buffer = results[0]
-    state = _load(ns, pool, payload, buffer, survey)
+    state = _load(ns, pool, payload, buffer, survey, shipment)
     defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
     # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
     pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
@@ -267,6 +281,7 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
         results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)
     except BaseException:
         pool.held = set()
+        pool.fsdp_records = None   # the ranks dropped their shards
         raise
     finally:
         output.flush()
@@ -276,17 +291,23 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
     return results, started_at
 
 
-def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey) -> dict:
-    """Rank 0's state into the notebook's objects; returns it with ``bound``, the values bound."""
+def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=None) -> dict:
+    """Rank 0's state into the notebook's objects; returns it with ``bound``, the values bound
+    (and ``stayed``: fsdp state left in the workers)."""
     from ..procs.wire import unpack
     try:
         state, _ = unpack(payload["state"], buffer, device="cpu", views_from=0)
         # Weights are copied into the notebook's tensors; values are kept: they must not be
         # views of the receive buffer that the next cell reuses.
         state["values"], state["value"] = cloned(state["values"]), cloned(state.get("value"))
-        loaded = load_into_notebook(ns, state, survey.modules, survey.optimizers, survey.stateful)
+        modules, optimizers = ({}, {}) if shipment else (survey.modules, survey.optimizers)
+        loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
+        if shipment:
+            state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
+                                            shipment)
     except BaseException:
         pool.held = set()
+        pool.fsdp_records = None
         raise
     return state

@@ -53,9 +53,17 @@ class DataParallelMagics(Magics):
               help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
     @argument("--nprocs", type=int, default=None,
               help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU")
-    @argument("--strategy", default="ddp", choices=["ddp", "dp"],
+    @argument("--strategy", default="ddp", choices=["ddp", "fsdp", "dp"],
               help="ddp (default): one worker process per device with DistributedDataParallel; "
+                   "fsdp: one worker process per device, parameters, gradients and optimizer state sharded "
+                   "over them (FSDP2), for models whose training does not fit one GPU; "
                    "dp: in the kernel, each call of the model split over the devices")
+    @argument("--wrap", default=None, metavar="CLASS[,CLASS]",
+              help="fsdp: the block classes sharded as units (default: the model's repeated blocks, such as a "
+                   "transformer's layers)")
+    @argument("--keep-optimizer", action="store_true",
+              help="fsdp: the optimizer's state stays sharded in the workers (for when it is too big for the "
+                   "kernel); later cells continue from it")
     @argument("--model", default=None,
               help="NAME[,NAME]: the module(s) to train (default: the modules the cell uses)")
     @argument("--backend", default=None, choices=["nccl", "gloo"],
@@ -128,7 +136,8 @@ class DataParallelMagics(Magics):
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
                          remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe,
-                         grad_dtype=args.grad_dtype, compile=args.compile, launch=args.launch)
+                         grad_dtype=args.grad_dtype, compile=args.compile, launch=args.launch, wrap=args.wrap,
+                         keep_optimizer=args.keep_optimizer)
         if is_empty(cell):
             return None
         header = f"%%dataparallel {line}".rstrip()

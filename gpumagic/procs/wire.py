@@ -121,6 +121,15 @@ def _rank_device():
     return _unpacking.device
 
 
+def _stand_in(token):
+    """What the receiver holds for ``token`` (an object the sender did not ship: see ``stand_ins``)."""
+    try:
+        return _unpacking.stand_ins[token]
+    except (KeyError, TypeError):
+        raise RuntimeError(f"this worker does not hold {token!r}, which the kernel did not ship; run the cell "
+                           "again (the kernel will ship it)") from None
+
+
 def _identity(x):
     return x
 
@@ -138,6 +147,9 @@ class _Pickler(cloudpickle.Pickler):
         self._packer = packer
 
     def reducer_override(self, obj):
+        token = self._packer.stand_ins.get(id(obj))
+        if token is not None:
+            return _stand_in, (token,)
         if isinstance(obj, torch.Tensor):
             if self._packer.shares(obj) or is_shippable_tensor(obj):
                 return _rebuild_tensor, (self._packer.add(obj),)
@@ -161,8 +173,10 @@ class _Pickler(cloudpickle.Pickler):
 
 
 class _Packer:
-    def __init__(self, targets: dict[int, str], share: Callable[[torch.Tensor], bool] | None):
+    def __init__(self, targets: dict[int, str], share: Callable[[torch.Tensor], bool] | None,
+                 stand_ins: dict[int, tuple] | None = None):
         self.targets = targets
+        self.stand_ins = stand_ins or {}
         self.share = share
         self.tensors: list[torch.Tensor] = []
         self.specs: list[TensorSpec] = []
@@ -200,7 +214,8 @@ def _cell_sources(filenames: set[str]) -> dict[str, str]:
 
 def pack(obj, *, targets: dict[int, str] | None = None, held: set | frozenset = frozenset(),
          scratch: Outgoing | None = None, min_cache_bytes: int = LARGE_TENSOR_BYTES, fingerprint: bool = True,
-         share: Callable[[torch.Tensor], bool] | None = None, sources: dict[str, str] | None = None) -> Packed:
+         share: Callable[[torch.Tensor], bool] | None = None, sources: dict[str, str] | None = None,
+         stand_ins: dict[int, tuple] | None = None) -> Packed:
     """Pack ``obj`` for :func:`unpack` on the other side.
 
     ``targets`` maps ``id(tensor)`` to ``"rank"``, ``"cpu"`` or ``"keep"``;
@@ -208,8 +223,10 @@ def pack(obj, *, targets: dict[int, str] | None = None, held: set | frozenset = 
     ``held`` is the set of fingerprint keys every receiver's store holds.
     The buffer is ``scratch.get(n)`` (a :class:`~.bulk.Outgoing`) when given,
     valid until its next use. ``sources`` adds cell sources to those found.
+    ``stand_ins`` maps ``id(obj)`` to a token: the object does not travel, the
+    receiver puts in what it holds under that token (``unpack``'s ``stand_ins``).
     """
-    packer = _Packer(targets or {}, share)
+    packer = _Packer(targets or {}, share, stand_ins)
     f = io.BytesIO()
     _Pickler(f, packer).dump(obj)
     payload = f.getvalue()
@@ -281,12 +298,14 @@ def _fill(buffer: torch.Tensor, items: list) -> None:
 # ---------------------------------------------------------------- unpacking
 
 def unpack(header: bytes, buffer: torch.Tensor | None, *, device: torch.device | str = "cpu",
-           store: TensorStore | None = None, views_from: float = float("inf"), shared: list | None = None):
+           store: TensorStore | None = None, views_from: float = float("inf"), shared: list | None = None,
+           stand_ins: dict | None = None):
     """Rebuild the object packed by :func:`pack`; returns ``(obj, tensors)``.
 
     ``device`` is where ``"rank"`` tensors go; ``tensors`` lists every tensor
     rebuilt, in packing order; ``shared`` is :attr:`Packed.shared` as it
-    arrived. CPU tensors of ``views_from`` bytes or more stay views of
+    arrived; ``stand_ins`` maps the sender's tokens to the objects this side
+    holds in their place. CPU tensors of ``views_from`` bytes or more stay views of
     ``buffer`` (shared by every worker mapping it) instead of being copied out;
     only callers that keep ``buffer`` alive and unchanged may ask for that.
     Cell sources in the header are registered with linecache.
@@ -306,11 +325,11 @@ def unpack(header: bytes, buffer: torch.Tensor | None, *, device: torch.device |
             end = max(s.offset + s.nbytes for s in ranked)
             on_device = {"start": start, "flat": buffer[start:end].to(device, non_blocking=False)}
     tensors = [_materialize(spec, buffer, device, store, on_device, views_from, shared) for spec in specs]
-    _unpacking.tensors, _unpacking.device = tensors, device
+    _unpacking.tensors, _unpacking.device, _unpacking.stand_ins = tensors, device, stand_ins
     try:
         obj = pickle.loads(payload)
     finally:
-        _unpacking.tensors = _unpacking.device = None
+        _unpacking.tensors = _unpacking.device = _unpacking.stand_ins = None
     return obj, tensors
 
 
@@ -374,7 +393,7 @@ def pack_namespace(values: dict, namespace: dict, *, droppable=(), **kwargs) -> 
     problems, dropped = [], []
     for name, value in values.items():
         try:
-            pack(value, fingerprint=False, share=kwargs.get("share"))
+            pack(value, fingerprint=False, share=kwargs.get("share"), stand_ins=kwargs.get("stand_ins"))
         except Exception as exc:  # noqa: BLE001 - reported by name, or dropped where the cell makes its own
             if name in droppable:
                 dropped.append(name)

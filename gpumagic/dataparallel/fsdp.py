@@ -1,0 +1,264 @@
+"""``%%dataparallel --strategy fsdp``: the kernel's side.
+
+A model too big for one GPU's training state trains sharded over the ranks
+(:mod:`.sharding` is the ranks' side). The kernel never holds a second copy of it:
+
+* the notebook's CPU model (and its optimizer's state) is moved into shared
+  memory in place, once (``share_memory_()``: the same tensor objects), and
+  travels by reference; each rank copies only its shard out of it. A model on
+  the ``meta`` device travels as its structure; the ranks initialise it;
+* after the cell rank 0 gathers one tensor at a time and writes it into the
+  notebook's tensor in place; only what the notebook has no tensor for
+  (a fresh optimizer's state, a model on a GPU) comes through the pool's buffer;
+* the ranks keep their shards: the next cell sends a token for each kept
+  module and optimizer instead of its tensors when the notebook's are unchanged
+  (same objects, same content by fingerprint, same hyperparameters).
+
+A model on the ``meta`` device stays there: its trained weights stay sharded in
+the workers (save them from a cell with ``torch.distributed.checkpoint``), and
+``--keep-optimizer`` leaves the optimizer's state there too.
+
+In a notebook::
+
+    %%dataparallel --strategy fsdp --wrap GPT2Block
+    for batch in loader:
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..display import note
+from .blocks import autocast_dtype, choose_blocks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FsdpShipment", "choose_all_blocks", "prepare_shipment", "load_gathered", "on_meta"]
+
+
+@dataclass
+class FsdpShipment:
+    """How a cell's models travel to the ranks under ``--strategy fsdp``."""
+    config: dict                                          # meta["fsdp"], read by the ranks
+    shared: set = field(default_factory=set)              # ids of tensors that travel by reference
+    stand_ins: dict = field(default_factory=dict)         # id(obj) -> token of what the ranks kept
+
+    def share(self, t) -> bool:
+        return id(t) in self.shared
+
+
+@dataclass
+class _Record:
+    """What the ranks hold of a notebook module or optimizer, and what the notebook held then."""
+    ref: weakref.ref
+    keys: dict | None               # fingerprints of the notebook's tensors; None: a meta model (nothing to compare)
+    groups: list | None = None      # an optimizer's hyperparameters
+
+
+def _records(pool) -> dict:
+    """Per pool (a new pool holds nothing): ``{"modules": {...}, "optimizers": {...}, "sent": {...}}``,
+    ``sent`` being the notebook tensors the ranks hold as write targets (weak references)."""
+    records = getattr(pool, "fsdp_records", None)
+    if records is None:
+        records = pool.fsdp_records = {"modules": {}, "optimizers": {}, "sent": None}
+    return records
+
+
+def on_meta(module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _module_keys(module) -> dict:
+    from ..procs.tensor_cache import fingerprint_keys
+    sd = module.state_dict(keep_vars=True)
+    return dict(zip(sd, fingerprint_keys([t.detach() for t in sd.values()]))) if sd else {}
+
+
+def _optimizer_keys(opt) -> dict:
+    import torch
+
+    from ..procs.tensor_cache import fingerprint_keys
+    found = [((i, k), v.detach()) for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+             for k, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+    return dict(zip([r for r, _ in found], fingerprint_keys([t for _, t in found]))) if found else {}
+
+
+def _hyperparameters(opt) -> list:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - tensor-valued hyperparameters compare elementwise: unequal, ship again
+        return False
+
+
+def choose_all_blocks(modules: dict, wrap: list[str] | None) -> dict:
+    """Each module's unit classes (``UsageError`` before anything starts: see :func:`.blocks.choose_blocks`).
+    With several models, each takes the ``--wrap`` classes it has."""
+    blocks = {}
+    for name, module in modules.items():
+        present = {type(m).__name__ for m in module.modules()}
+        asked = [w for w in wrap if w in present] if wrap else None
+        blocks[name] = choose_blocks(module, asked or wrap, name)
+    return blocks
+
+
+def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
+                     keep_optimizer: bool) -> FsdpShipment:
+    """Decide what the ranks kept, and put the rest in shared memory; returns the :class:`FsdpShipment`."""
+    import torch
+    records = _records(pool)
+    kept_modules = [n for n, m in modules.items() if _unchanged(records["modules"].get(n), m, _module_keys)]
+    kept_ids = {id(p) for n in kept_modules for p in modules[n].parameters()}
+    kept_optimizers = [
+        n for n, o in optimizers.items()
+        if all(id(p) in kept_ids for g in o.param_groups for p in g["params"])
+        and _unchanged(records["optimizers"].get(n), o, _optimizer_keys)]
+    shipment = FsdpShipment(config={
+        "blocks": blocks, "kept_modules": kept_modules, "kept_optimizers": kept_optimizers,
+        "stay": [n for n, m in modules.items() if on_meta(m)],
+        "keep_optimizers": list(optimizers) if keep_optimizer else [],
+        "param_dtype": autocast_dtype(tree)})
+    shipment.config.update(_new_targets(records, modules, optimizers))
+    for name, module in modules.items():
+        if name in kept_modules:
+            shipment.stand_ins[id(module)] = ("module", name)
+            for fqn, t in [*module.named_parameters(remove_duplicate=False),
+                           *module.named_buffers(remove_duplicate=False)]:
+                shipment.stand_ins[id(t)] = ("tensor", name, fqn)
+        else:
+            shipment.shared |= _share(list(module.parameters()) + list(module.buffers()))
+    for name, opt in optimizers.items():
+        if name in kept_optimizers:
+            shipment.stand_ins[id(opt)] = ("optimizer", name)
+        else:
+            shipment.shared |= _share([v for st in opt.state.values() for v in st.values()
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0])
+    for name in modules:
+        what = ", ".join(blocks[name]) or "none (the whole model is one unit)"
+        if name not in kept_modules:
+            note(f"--strategy fsdp: {name} sharded over the ranks; blocks: {what}")
+    if shipment.config["param_dtype"]:
+        note(f"--strategy fsdp: the cell runs under autocast({shipment.config['param_dtype']}): parameters are "
+             f"gathered in {shipment.config['param_dtype']}, gradients reduced in float32")
+    return shipment
+
+
+def _new_targets(records: dict, modules: dict, optimizers: dict) -> dict:
+    """The notebook's CPU tensors rank 0 writes the trained state into (moved into shared memory),
+    those the ranks do not hold yet: ``{"targets": {ref: tensor}, "targets_reset": bool}``."""
+    import torch
+    targets: dict[tuple, Any] = {}
+    for name, module in modules.items():
+        for fqn, t in module.state_dict(keep_vars=True).items():
+            targets[("module", name, fqn)] = t
+    for name, opt in optimizers.items():
+        for idx, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    targets[("optimizer", name, idx, k)] = v
+    targets = {ref: t for ref, t in targets.items() if t.device.type == "cpu" and not t.is_meta}
+    _share(targets.values())
+    reset = records["sent"] is None
+    sent = records["sent"] = {} if reset else records["sent"]
+    new = {ref: t for ref, t in targets.items() if (sent.get(ref) or _gone)() is not t}
+    sent.update({ref: weakref.ref(t) for ref, t in new.items()})
+    return {"targets": new, "targets_reset": reset}
+
+
+def _gone():
+    return None
+
+
+def _unchanged(record: _Record | None, obj, keys_of) -> bool:
+    if record is None or record.ref() is not obj:
+        return False
+    if record.groups is not None and not _same(record.groups, _hyperparameters(obj)):
+        return False
+    return record.keys is None or keys_of(obj) == record.keys
+
+
+def _share(tensors) -> set:
+    """CPU tensors moved into shared memory in place (the same objects; once: a shared one stays)."""
+    ids = set()
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_meta:
+            if not t.is_shared():
+                t.share_memory_()
+            ids.add(id(t))
+    return ids
+
+
+def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, shipment: FsdpShipment) -> list[str]:
+    """Rank 0's gathered state into the notebook: what it wrote in place is there already; the rest
+    is copied from ``buffer``. Records what the ranks now hold. Returns the names whose trained
+    state stays in the workers."""
+    import torch
+    config = shipment.config
+    by_module: dict = {}
+    by_optimizer: dict = {}
+    for ref, offset, dtype, shape, key in state["tensors"]:
+        view = None
+        if offset >= 0:
+            raw = buffer[offset: offset + _nbytes(dtype, shape)]
+            view = raw.view(getattr(torch, dtype)).view(shape)
+        if ref[0] == "module":
+            by_module.setdefault(ref[1], {})[ref[2]] = (view, key)
+        else:
+            by_optimizer.setdefault(ref[1], {})[(ref[2], ref[3])] = (view, key)
+    records = _records(pool)
+    stayed = []
+    with torch.no_grad():
+        for name, module in modules.items():
+            if name in config["stay"]:
+                records["modules"][name] = _Record(weakref.ref(module), None)
+                stayed.append(name)
+                continue
+            got = by_module.get(name, {})
+            mine = module.state_dict(keep_vars=True)
+            for fqn, (view, _) in got.items():
+                if view is not None:
+                    mine[fqn].data.copy_(view)
+            records["modules"][name] = _Record(weakref.ref(module), {fqn: key for fqn, (_, key) in got.items()})
+    for name, opt in optimizers.items():
+        groups = state["optimizers"][name]
+        if name in config["keep_optimizers"]:
+            for mine, theirs in zip(opt.param_groups, groups["param_groups"]):
+                mine.update(theirs)
+            records["optimizers"][name] = _Record(weakref.ref(opt), _optimizer_keys(opt), _hyperparameters(opt))
+            stayed.append(name)
+            continue
+        _load_optimizer(opt, groups, by_optimizer.get(name, {}))
+        records["optimizers"][name] = _Record(
+            weakref.ref(opt), {r: key for r, (_, key) in by_optimizer.get(name, {}).items()}, _hyperparameters(opt))
+    return stayed
+
+
+def _load_optimizer(opt, groups: dict, tensors: dict) -> None:
+    """The trained state: tensors written in place are the notebook's own, the others copied out of the buffer."""
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    state: dict = {}
+    for idx, values in groups["plain"].items():
+        state.setdefault(idx, {}).update(values)
+    for (idx, k), (view, _) in tensors.items():
+        state.setdefault(idx, {})[k] = view.clone() if view is not None else opt.state[flat[idx]][k]
+    param_groups, start = [], 0
+    for mine, theirs in zip(opt.param_groups, groups["param_groups"]):
+        n = len(mine["params"])
+        param_groups.append({**theirs, "params": list(range(start, start + n))})
+        start += n
+    opt.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _nbytes(dtype: str, shape) -> int:
+    import math
+
+    import torch
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
