@@ -58,6 +58,7 @@ class _Record:
     ref: weakref.ref
     keys: dict | None               # fingerprints of the notebook's tensors; None: a meta model (nothing to compare)
     groups: list | None = None      # an optimizer's hyperparameters
+    blocks: list | None = None      # a module's FSDP unit classes
 
 
 def _records(pool) -> dict:
@@ -115,16 +116,31 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
     """Decide what the ranks kept, and put the rest in shared memory; returns the :class:`FsdpShipment`."""
     import torch
     records = _records(pool)
-    kept_modules = [n for n, m in modules.items() if _unchanged(records["modules"].get(n), m, _module_keys)]
+    kept_modules = []
+    for name, module in modules.items():
+        record = records["modules"].get(name)
+        if not _unchanged(record, module, _module_keys):
+            continue
+        if record.blocks == blocks[name]:
+            kept_modules.append(name)
+        elif record.keys is None:   # a meta model's only weights are the ranks': keep them as sharded
+            note(f"--strategy fsdp: {name} stays sharded by {', '.join(record.blocks or []) or 'the whole model'} "
+                 "in the workers (it is on the meta device: sharding it anew would start it afresh)")
+            blocks[name] = record.blocks or []
+            kept_modules.append(name)
     kept_ids = {id(p) for n in kept_modules for p in modules[n].parameters()}
     kept_optimizers = [
         n for n, o in optimizers.items()
         if all(id(p) in kept_ids for g in o.param_groups for p in g["params"])
         and _unchanged(records["optimizers"].get(n), o, _optimizer_keys)]
+    stay = [n for n, m in modules.items() if on_meta(m)]
+    stay_ids = {id(p) for n in stay for p in modules[n].parameters()}
     shipment = FsdpShipment(config={
         "blocks": blocks, "kept_modules": kept_modules, "kept_optimizers": kept_optimizers,
-        "stay": [n for n, m in modules.items() if on_meta(m)],
-        "keep_optimizers": list(optimizers) if keep_optimizer else [],
+        "stay": stay,
+        # an optimizer of a meta model keeps its state in the workers, as the model does its weights
+        "keep_optimizers": [n for n, o in optimizers.items() if keep_optimizer or any(
+            id(p) in stay_ids for g in o.param_groups for p in g["params"])],
         "param_dtype": autocast_dtype(tree)})
     shipment.config.update(_new_targets(records, modules, optimizers))
     for name, module in modules.items():
@@ -218,7 +234,7 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
     with torch.no_grad():
         for name, module in modules.items():
             if name in config["stay"]:
-                records["modules"][name] = _Record(weakref.ref(module), None)
+                records["modules"][name] = _Record(weakref.ref(module), None, blocks=config["blocks"][name])
                 stayed.append(name)
                 continue
             got = by_module.get(name, {})
@@ -226,7 +242,8 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
             for fqn, (view, _) in got.items():
                 if view is not None:
                     mine[fqn].data.copy_(view)
-            records["modules"][name] = _Record(weakref.ref(module), {fqn: key for fqn, (_, key) in got.items()})
+            records["modules"][name] = _Record(weakref.ref(module), {fqn: key for fqn, (_, key) in got.items()},
+                                               blocks=config["blocks"][name])
     for name, opt in optimizers.items():
         groups = state["optimizers"][name]
         if name in config["keep_optimizers"]:

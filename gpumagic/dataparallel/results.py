@@ -26,6 +26,8 @@ class CellResult:
     values: list[str] = field(default_factory=list)          # plain values bound in the notebook
     defined: list[str] = field(default_factory=list)         # functions, classes, modules the cell bound
     made: list[str] = field(default_factory=list)            # models the cell built, brought back whole
+    stayed: list[str] = field(default_factory=list)          # fsdp: trained state kept sharded in the workers
+    strategy: str = "ddp"
     not_returned: list[str] = field(default_factory=list)    # assigned names left in the workers
     value: object = None                                     # rank 0's last expression
     per_rank: dict = field(default_factory=dict)             # rank -> steps, samples, seconds
@@ -37,12 +39,17 @@ class CellResult:
     returned_bytes: int = 0
 
     def summary(self) -> str:
-        what = ", ".join(self.modules + self.optimizers + self.stateful)
-        ranks = f"{len(self.devices)} rank{'s' if len(self.devices) != 1 else ''} ({self.backend})"
+        what = ", ".join(n for n in self.modules + self.optimizers + self.stateful if n not in self.stayed)
+        ranks = f"{len(self.devices)} rank{'s' if len(self.devices) != 1 else ''} ({self.backend}" + (
+            ", fsdp)" if self.strategy == "fsdp" else ")")
         steps = {s.get("steps", 0) for s in self.per_rank.values()}
         step_text = f", {next(iter(steps))} optimizer steps each" if len(steps) == 1 and steps != {0} else ""
+        loaded = f"trained state loaded into {what}" if what else ""
+        if self.stayed:
+            loaded += (f"{'; ' if loaded else ''}trained state kept sharded in the workers (a later --strategy "
+                       f"fsdp cell continues from it): {', '.join(self.stayed)}")
         text = f"%%dataparallel: {ranks}{step_text}; " + (
-            f"trained state loaded into {what}" if what else "no notebook model used (nothing loaded in place)")
+            loaded or "no notebook model used (nothing loaded in place)")
         if self.values:
             text += f"; values: {', '.join(self.values)}"
         if self.made:

@@ -238,7 +238,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     _last = CellResult(
         devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
         optimizers=list(survey.optimizers), loaders=list(survey.loaders), stateful=survey.stateful,
-        values=state["bound"], defined=defined, made=state["made_names"],
+        values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
+        strategy=plan.strategy,
         not_returned=state.get("not_returned", []) + not_defined,
         value=state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,

@@ -110,7 +110,12 @@ def shard_modules(ctx, ns: dict, meta: dict, device) -> dict:
         fqn_of = {id(p): fqn for fqn, p in module.named_parameters(remove_duplicate=False)}
         if not on_meta:
             _private_buffers(module)
-        _shard(module, config["blocks"].get(name, []), mesh, policy, device, on_meta)
+        uninitialised = _shard(module, config["blocks"].get(name, []), mesh, policy, device, on_meta)
+        if uninitialised and ctx.rank == 0:
+            ctx.send({"kind": "warning", "text": (
+                f"{name} was on the meta device and these classes have no reset_parameters() to initialise "
+                f"their parameters on the ranks, so they start at zero: {', '.join(uninitialised)}. Give them "
+                "one, or initialise them in the cell")})
         now = dict(module.named_parameters(remove_duplicate=False))
         param_map.update({pid: now[fqn] for pid, fqn in fqn_of.items()})
         kept["modules"][name] = module
@@ -133,23 +138,27 @@ def _private_buffers(module) -> None:
                 m._buffers[key] = b.clone()
 
 
-def _shard(module, classes: list[str], mesh, policy, device, on_meta: bool) -> None:
+def _shard(module, classes: list[str], mesh, policy, device, on_meta: bool) -> list[str]:
+    """FSDP units: each block, then the rest; returns the classes a meta model had no initialiser for."""
     from torch.distributed.fsdp import fully_shard
     blocks = block_instances(module, classes)
     memo: dict = {}
+    uninitialised: list[str] = []
     for block in blocks:
         if on_meta:
-            _materialise(block.modules(), device, memo)
+            _materialise(block.modules(), device, memo, uninitialised)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     if on_meta:
         in_blocks = {id(s) for b in blocks for s in b.modules()}
-        _materialise([m for m in module.modules() if id(m) not in in_blocks], device, memo)
+        _materialise([m for m in module.modules() if id(m) not in in_blocks], device, memo, uninitialised)
     fully_shard(module, mesh=mesh, mp_policy=policy)
+    return uninitialised
 
 
-def _materialise(modules, device, memo: dict) -> None:
+def _materialise(modules, device, memo: dict, uninitialised: list) -> None:
     """Meta tensors of ``modules`` made real on ``device`` and initialised by each module's
-    ``reset_parameters()`` (tied parameters stay tied: ``memo``)."""
+    ``reset_parameters()`` (tied parameters stay tied: ``memo``). Modules without one get zeros and
+    their class is added to ``uninitialised``."""
     import torch
     for m in modules:
         fresh = False
@@ -158,14 +167,20 @@ def _materialise(modules, device, memo: dict) -> None:
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in memo:
-                    new = torch.empty_like(t, device=device)
+                    new = torch.zeros_like(t, device=device)
                     memo[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
                         if isinstance(t, torch.nn.Parameter) else new
                 store[key] = memo[id(t)]
                 fresh = True
-        if fresh and callable(getattr(m, "reset_parameters", None)):
+        if not fresh:
+            continue
+        # nn.MultiheadAttention names its own _reset_parameters
+        reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        if callable(reset):
             with torch.no_grad():
-                m.reset_parameters()
+                reset()
+        elif any(True for _ in m.parameters(recurse=False)) and type(m).__name__ not in uninitialised:
+            uninitialised.append(type(m).__name__)
 
 
 def _adopt_optimizer(opt, param_map: dict, mesh, device) -> None:
