@@ -19,7 +19,7 @@ def test_plan_picks_cpu_processes_without_gpus():
     (dict(devices="tpu"), "valid choices: cpu"),
     (dict(devices="cuda:3"), "cpu"),
     (dict(backend="nccl"), "gloo"),
-    (dict(strategy="horovod"), "ddp, dp"),
+    (dict(strategy="horovod"), "ddp, fsdp, dp"),
     (dict(devices="cpu", nprocs=2, timeout=-1), "positive"),
 ])
 def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
@@ -85,3 +85,29 @@ def test_launch_needs_gpus_cuda0_to_n_in_order(devices):
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"], ["cpu", "cpu", "cpu"]])
 def test_launch_accepts_gpus_in_order_and_cpu_ranks(devices):
     assert check_launch(Plan("ddp", devices, "nccl" if devices[0] != "cpu" else "gloo"), "--launch") is None
+
+
+# --- --strategy fsdp ---------------------------------------------------------------------------------
+
+def test_fsdp_plan_has_worker_processes_and_its_options():
+    plan = make_plan(strategy="fsdp", wrap="Block, Head", keep_optimizer=True, gpus=[])
+    assert (plan.strategy, plan.devices, plan.backend) == ("fsdp", ["cpu", "cpu"], "gloo")
+    assert plan.wrap == ["Block", "Head"] and plan.keep_optimizer and plan.processes
+    assert make_plan(strategy="fsdp", gpus=[]).wrap is None
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(strategy="ddp", wrap="Block"), "--wrap configure(s) the sharding of --strategy fsdp"),
+    (dict(strategy="dp", keep_optimizer=True), "--keep-optimizer"),
+    (dict(strategy="fsdp", wrap=" , "), "--wrap is empty"),
+    (dict(strategy="fsdp", static_graph=True), "--static-graph with --strategy fsdp"),
+    (dict(strategy="fsdp", compile="default"), "--compile with --strategy fsdp"),
+    (dict(strategy="fsdp", grad_dtype="bf16"), "--grad-dtype with --strategy fsdp"),
+    (dict(strategy="fsdp", launch=True), "--launch runs the cell's own distribution"),
+    (dict(strategy="fsdp", remote=1), "--remote: ranks on other machines run --strategy ddp only"),
+])
+def test_fsdp_options_are_checked_before_anything_starts(kwargs, says):
+    with pytest.raises(UsageError) as err:
+        make_plan(gpus=[], **kwargs)
+    assert says in str(err.value)
+    assert "valid choices" in str(err.value)

@@ -186,7 +186,11 @@ def _new_targets(records: dict, modules: dict, optimizers: dict) -> dict:
     sent = records["sent"] = {} if reset else records["sent"]
     new = {ref: t for ref, t in targets.items() if (sent.get(ref) or _gone)() is not t}
     sent.update({ref: weakref.ref(t) for ref, t in new.items()})
-    return {"targets": new, "targets_reset": reset}
+    for ref in [r for r in sent if r not in targets]:
+        del sent[ref]
+    # every valid reference: the ranks drop targets the notebook no longer has (another model, a new
+    # optimizer's state), which rank 0 must not write into
+    return {"targets": new, "targets_reset": reset, "target_refs": list(targets)}
 
 
 def _gone():

@@ -56,8 +56,8 @@ def kept_objects(ctx, config: dict) -> dict:
     for kind, names in (("modules", config["kept_modules"]), ("optimizers", config["kept_optimizers"])):
         for name in [n for n in kept[kind] if n not in names]:
             del kept[kind][name]
-    if config["targets_reset"]:
-        kept["targets"] = {}
+    valid = set(config["target_refs"])
+    kept["targets"] = {} if config["targets_reset"] else {r: t for r, t in kept["targets"].items() if r in valid}
     kept["targets"].update(config["targets"])
     missing = [n for n in config["kept_modules"] if n not in kept["modules"]] + \
         [n for n in config["kept_optimizers"] if n not in kept["optimizers"]]
