@@ -235,7 +235,8 @@ def test_bad_wrap_and_framework_cells_are_refused_before_anything_starts(shell):
     assert "its candidate block classes are Block" in text
     with pytest.raises(UsageError) as err:
         dp_cell(shell, FSDP2, "from torch.nn.parallel import DistributedDataParallel as DDP\nDDP(model)\n")
-    assert "--strategy fsdp shards a hand-written loop's model, but the cell builds its own Distributed" in str(err.value)
+    assert "--strategy fsdp shards a hand-written loop's model, but the cell builds its own " \
+           "DistributedDataParallel" in str(err.value)
     assert dp_pool() is None                                    # no process started
     assert not any(p.is_shared() for p in ns["model"].parameters())   # nothing moved either
     assert all(torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())
