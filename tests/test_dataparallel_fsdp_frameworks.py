@@ -167,3 +167,160 @@ def test_fsdp2_trains_sharded_on_two_ranks_and_the_full_weights_come_back(shell,
                                       "    loss_here = float(torch.nn.functional.mse_loss(model(X), Y))\n")
     assert result.success, text
     assert ns["loss_here"] == pytest.approx(ns["loss_after"], rel=1e-5)
+
+
+# On GPUs the frameworks' own FSDP runs as their docs write it (torch's FSDP1 underneath):
+# Lightning's strategy="fsdp", accelerate's FullyShardedDataParallelPlugin, the Hugging Face
+# Trainer's fsdp= argument. Run on the GPU machine: pytest -m gpu2 tests/test_dataparallel_fsdp_frameworks.py
+
+GPU_LIGHTNING_SETUP = """\
+import lightning as L
+
+class Regressor(L.LightningModule):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+lit = Regressor(model)
+"""
+
+GPU_HF_SETUP = """\
+import tempfile
+import transformers
+config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=37, num_labels=2, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+torch.manual_seed(0)
+bert = transformers.BertForSequenceClassification(config)
+params = list(bert.parameters())
+before = {k: v.clone() for k, v in bert.state_dict().items()}
+texts = [{"input_ids": torch.randint(0, 64, (12,)), "labels": torch.tensor(i % 2)} for i in range(64)]
+IDS = torch.stack([t["input_ids"] for t in texts])
+LABELS = torch.stack([t["labels"] for t in texts])
+"""
+
+# Every rank after training: what it holds of the FSDP-wrapped model ``wrapped``; rank 0 saves the
+# full state the cell gathered with the framework's own API (``full``) under the notebook model's keys.
+GPU_RECORD = """\
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+sharded = isinstance(wrapped, FSDP)
+local = [None] * dist.get_world_size()
+dist.all_gather_object(local, sum(p.numel() for p in wrapped.parameters()))
+if dist.get_rank() == 0:
+    torch.save({k.removeprefix(PREFIX): v for k, v in full.items()}, FULL)
+"""
+
+GPU_LIGHTNING = """\
+PREFIX = "net."
+loss_before = float(torch.nn.functional.mse_loss(model(X), Y))
+trainer = L.Trainer(accelerator="gpu", devices=2, strategy="fsdp", max_epochs=EPOCHS, logger=False,
+                    enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+trainer.fit(lit, loader)
+world, steps = trainer.world_size, trainer.global_step
+wrapped = trainer.strategy.model
+full = trainer.strategy.lightning_module_state_dict()
+with torch.no_grad():
+    loss_after = float(torch.nn.functional.mse_loss(wrapped(X.cuda()), Y.cuda()))
+""" + GPU_RECORD
+
+GPU_ACCELERATE = """\
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+PREFIX = ""
+loss_before = float(torch.nn.functional.mse_loss(model(X), Y))
+accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+wrapped = accelerator.prepare(model)
+optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+optimizer, dl = accelerator.prepare(optimizer, loader)
+steps = 0
+for epoch in range(EPOCHS):
+    for x, y in dl:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(wrapped(x), y))
+        optimizer.step()
+        steps += 1
+world = accelerator.num_processes
+full = accelerator.get_state_dict(wrapped)
+with torch.no_grad():
+    loss_after = float(torch.nn.functional.mse_loss(wrapped(X.to(accelerator.device)), Y.to(accelerator.device)))
+""" + GPU_RECORD
+
+GPU_HF = """\
+PREFIX = ""
+with torch.no_grad():
+    loss_before = float(bert(input_ids=IDS, labels=LABELS).loss)
+args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8,
+                                      num_train_epochs=EPOCHS, learning_rate=1e-3, report_to=[], save_strategy="no",
+                                      logging_strategy="no", seed=0, fsdp="full_shard",
+                                      fsdp_config={"transformer_layer_cls_to_wrap": ["BertLayer"]})
+trainer = transformers.Trainer(model=bert, args=args, train_dataset=texts)
+result = trainer.train()
+world, steps = trainer.args.world_size, result.global_step
+wrapped = trainer.model_wrapped
+full = trainer.accelerator.get_state_dict(wrapped)
+with torch.no_grad():
+    loss_after = float(wrapped(input_ids=IDS.to(trainer.args.device), labels=LABELS.to(trainer.args.device)).loss)
+""" + GPU_RECORD
+
+# name -> (extra set-up, the training cell, why launch mode is chosen, the trained notebook model,
+# how far the loss falls at least, the check in the kernel)
+GPU_CASES = {
+    "lightning-fsdp": (GPU_LIGHTNING_SETUP, GPU_LIGHTNING, "a Lightning Trainer", "model", 0.5,
+                       "float(torch.nn.functional.mse_loss(model(X), Y))"),
+    "accelerate-fsdp": ("", GPU_ACCELERATE, "an accelerate Accelerator", "model", 0.5,
+                        "float(torch.nn.functional.mse_loss(model(X), Y))"),
+    "hf-trainer-fsdp": (GPU_HF_SETUP, GPU_HF, "a Hugging Face Trainer", "bert", 1.0,
+                        "float(bert(input_ids=IDS, labels=LABELS).loss)"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu2
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_framework_fsdp_on_two_gpus_trains_sharded_and_the_full_weights_come_back(shell, case, tmp_path):
+    if case == "accelerate-fsdp":
+        pytest.importorskip("accelerate")
+    if case == "hf-trainer-fsdp":
+        pytest.importorskip("transformers")
+    extra, cell, why, target, fall, loss_here = GPU_CASES[case]
+    full_path = tmp_path / "full.pt"
+    for source in (SETUP.format(full=str(full_path), epochs=EPOCHS), extra):
+        if source:
+            result, text, _ = run_cell(shell, source)
+            assert result.success, text
+    ns = shell.user_ns
+    model, params = ns[target], ns["params"]
+    numel = sum(p.numel() for p in params)
+
+    _, cap = dp_cell(shell, "", cell)
+
+    assert f"launch mode, because the cell builds {why}" in cap.stderr, cap.stderr
+    assert ns["world"] == 2
+    assert ns["steps"] == EPOCHS * BATCHES
+    # FSDP-wrapped, each rank holding part of the parameters (flat shards may carry padding)
+    assert ns["sharded"] is True
+    assert numel <= sum(ns["local"]) < numel + 64 and all(0 < n < numel for n in ns["local"]), (numel, ns["local"])
+    assert ns["loss_after"] < ns["loss_before"] * fall, (ns["loss_before"], ns["loss_after"])
+
+    assert ns[target] is model
+    assert all(p is q for p, q in zip(model.parameters(), params)) and len(list(model.parameters())) == len(params)
+    assert all(type(p) is torch.nn.Parameter and p.device.type == "cpu" for p in model.parameters())
+    full = torch.load(full_path)
+    state = model.state_dict()
+    assert state.keys() == full.keys()
+    for k, v in state.items():
+        assert torch.equal(v, full[k].to(v.device)), k
+    assert any(not torch.equal(v, ns["before"][k]) for k, v in state.items())
+    result, text, _ = run_cell(shell, f"with torch.no_grad():\n    loss_here = {loss_here}\n")
+    assert result.success, text
+    assert ns["loss_here"] == pytest.approx(ns["loss_after"], rel=1e-4)
