@@ -264,3 +264,47 @@ def test_a_rank_error_leaves_the_notebooks_model_and_optimizer_untouched(shell):
     dp_cell(shell, FSDP2, TRAIN)
     assert dp_pool().pids != pids
     _assert_close_state(ns["model"], ns["opt"], ref_model, ref_opt)
+
+
+def test_autocast_in_the_cell_gathers_weights_in_its_dtype(shell):
+    ns = _setup(shell)
+    ref = copy.deepcopy(ns["model"])
+    start = copy.deepcopy(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for _ in range(2):
+        for x, y in ns["loader"]:
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ((ref(x) - y) ** 2).mean()
+            loss.backward()
+            ref_opt.step()
+    body = TRAIN.replace("        loss = ((model(x) - y) ** 2).mean()\n",
+                         "        with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+                         "            loss = ((model(x) - y) ** 2).mean()\n"
+                         "        low = model.blocks[0].fc.weight.dtype\n")
+    _, cap = dp_cell(shell, FSDP2, body)
+    assert "under autocast(bfloat16): parameters are gathered in bfloat16, gradients reduced in float32" \
+        in cap.stderr
+    assert all(p.dtype == torch.float32 for p in ns["model"].parameters())   # the sharded master weights
+    # bf16 matmuls either way: the same training to bf16's precision (Adam's sign-like steps amplify
+    # rounding in the smallest gradients, so compare how far each tensor moved, not elementwise)
+    for (name, a), b in zip(ns["model"].state_dict().items(), ref.state_dict().values()):
+        moved = (b - start[name]).norm()
+        assert (a - b).norm() < 0.1 * moved, name
+
+
+def test_an_interrupt_while_the_weights_are_written_back_is_said(shell, capsys):
+    from gpumagic.dataparallel.run import _run_on_pool
+
+    class Pool:   # rank 0 has started writing into the notebook's tensors when the interrupt comes
+        devices, held, fsdp_records = ["cpu", "cpu"], set(), {}
+
+        def run(self, task, meta, data, on_output, on_message, on_tick):
+            on_message(0, {"kind": "writing"})
+            raise KeyboardInterrupt
+
+    pool = Pool()
+    with pytest.raises(KeyboardInterrupt):
+        _run_on_pool(pool, {}, None, shell, False)
+    assert "stopped while rank 0 was writing the trained state into the notebook's tensors" in capsys.readouterr().err
+    assert pool.fsdp_records is None      # the next cell ships everything again

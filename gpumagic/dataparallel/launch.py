@@ -23,6 +23,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,6 +108,7 @@ class DistributionWatch:
 
     def __init__(self) -> None:
         self.wrapped = 0
+        self.fsdp_wrappers: list = []    # weak references to the FullyShardedDataParallel wrappers made
 
     def __enter__(self):
         from torch.nn.parallel import DistributedDataParallel
@@ -123,12 +125,45 @@ class DistributionWatch:
     def _counting(self, init):
         def counted(wrapper, /, *args, **kwargs):
             self.wrapped += 1
+            if type(wrapper).__name__ == "FullyShardedDataParallel" or hasattr(wrapper, "_fsdp_wrapped_module"):
+                self.fsdp_wrappers.append(weakref.ref(wrapper))
             return init(wrapper, *args, **kwargs)
         return counted
 
     def __exit__(self, *exc) -> None:
         for cls, init in self._patched:
             cls.__init__ = init
+
+    def sharded_state(self, modules: dict) -> dict:
+        """Every rank, after the cell: the whole trained state of each module the cell's framework
+        sharded (FSDP2's DTensors, or inside an FSDP wrapper), gathered to the CPU on rank 0 (other
+        ranks get empty dicts): ``{name: state_dict}``. A collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        gathered = {}
+        for name, module in modules.items():
+            root, prefix = self._fsdp_root(module)
+            if root is not None:
+                whole = get_model_state_dict(root, options=options)
+                gathered[name] = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
+            elif any(isinstance(t, DTensor) for t in module.state_dict().values()):
+                gathered[name] = get_model_state_dict(module, options=options)
+        return gathered
+
+    def _fsdp_root(self, module) -> tuple:
+        """The outermost FSDP wrapper holding ``module``, and ``module``'s name in it plus a dot."""
+        wrappers = [w for w in (ref() for ref in self.fsdp_wrappers) if w is not None]
+        for wrapper in wrappers:
+            if any(wrapper is not other and any(wrapper is m for m in other.modules()) for other in wrappers):
+                continue   # a unit inside another wrapper
+            inner = wrapper.module
+            if inner is module:
+                return wrapper, ""
+            for name, sub in inner.named_modules():
+                if sub is module:
+                    return wrapper, name.replace("_fsdp_wrapped_module.", "") + "."
+        return None, ""
 
     def distributed(self, modules) -> bool:
         if self.wrapped:

@@ -90,11 +90,13 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
     compiling = bool(meta["ddp"].get("compile"))
     counts_before = _compile_counts() if compiling else (0, 0)
+    gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu"), DistributionWatch() as watch:
             forget_kernel_process(ns)
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+        gathered = watch.sharded_state(inner)
         if stats["steps"] and ctx.world_size > 1 and ctx.rank == 0 and not watch.distributed(inner.values()):
             ctx.send({"kind": "warning", "text": (
                 f"launch mode: the cell took {stats['steps']} optimizer steps on each rank, but nothing wrapped a "
@@ -115,13 +117,17 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         keys = store.rebuild(_trained_tensors(tensors, {}, {}))
         return _gathered_payload(ctx, ns, meta, inner, opts, value, {
             "stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None})
-    keys = store.rebuild(_trained_tensors(tensors, inner, opts))
+    # A sharded module's tensors are shards: the workers keep none of them for the next cell.
+    keys = store.rebuild(_trained_tensors(tensors, {n: m for n, m in inner.items() if n not in gathered}, opts))
     payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
     buffer = None
     if ctx.rank == 0:
         state = _rank0_state(ns, meta, inner, opts, value)
+        state["modules"].update(gathered)
+        if gathered:
+            _drop_sharded_optimizers(state, opts)
         # A module whose layers the cell replaced comes back whole: the notebook's takes its layers.
-        state["reshaped"] = {n: m for n, m in inner.items() if _shapes(m) != shapes_before[n]}
+        state["reshaped"] = {n: m for n, m in inner.items() if n not in gathered and _shapes(m) != shapes_before[n]}
         packed = _pack_state(state, ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
@@ -142,6 +148,20 @@ def _gathered_payload(ctx, ns: dict, meta: dict, inner: dict, opts: dict, value,
     payload["fsdp"] = gathered
     payload["returned_bytes"] = buffer.numel() if buffer is not None else 0
     return payload, buffer
+
+
+def _drop_sharded_optimizers(state: dict, opts: dict) -> None:
+    """Notebook optimizers whose state the cell's FSDP sharded stay as they were in the notebook
+    (named among what was not returned): their moments are per-rank shards of the framework's
+    parameters, which the notebook's optimizer cannot take."""
+    from torch.distributed.tensor import DTensor
+    for name, opt in opts.items():
+        tensors = [p for g in opt.param_groups for p in g["params"]] + [
+            v for st in opt.state.values() for v in st.values()]
+        if any(isinstance(t, DTensor) for t in tensors):
+            state["optimizers"].pop(name, None)
+            state["not_returned"].append(f"{name} (its state is sharded by the cell's FSDP; the notebook's "
+                                         "optimizer is left as it was)")
 
 
 def _prepare_namespace(ns: dict, meta: dict, device) -> None:

@@ -77,6 +77,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         for k, v in have.items():
             if tuple(v.shape) != tuple(got[k].shape):
                 problems.append(f"{name}.{k}: shape {tuple(v.shape)} became {tuple(got[k].shape)} in the cell")
+    optimizers = {n: o for n, o in optimizers.items() if n in state["optimizers"]}   # the rest stayed
     for name, opt in optimizers.items():
         got = state["optimizers"][name]
         if len(got["param_groups"]) != len(opt.param_groups) or any(

@@ -267,9 +267,12 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
     progress = Progress(pool.devices, shell)
     output = RankOutput(prefix=all_output)
     started_at: dict[int, float] = {}
+    writing = []
 
     def on_message(rank, msg):
-        if msg.get("kind") == "started":
+        if msg.get("kind") == "writing":
+            writing.append(rank)
+        elif msg.get("kind") == "started":
             started_at[rank] = msg["t"]
         elif msg.get("kind") == "progress":
             progress.update(rank, msg["stats"])
@@ -283,6 +286,10 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
     except BaseException:
         pool.held = set()
         pool.fsdp_records = None   # the ranks dropped their shards
+        if writing:
+            note("%%dataparallel --strategy fsdp: stopped while rank 0 was writing the trained state into the "
+                 "notebook's tensors: the model and optimizer hold a mix of their state before and after the "
+                 "cell. Load a checkpoint, or run the training again")
         raise
     finally:
         output.flush()

@@ -248,12 +248,18 @@ def gather_into_notebook(ctx, meta: dict, inner: dict, opts: dict, prefix=None) 
     if buffer is not None and prefix is not None:
         buffer[: prefix.numel()].copy_(prefix)
     where = []
+    announced = False
     with torch.no_grad():
         for (ref, t, dest), offset in zip(items, offsets):
             full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
             if not rank0:
                 continue
             if offset < 0:
+                if not announced:
+                    # every rank got this far (the gather is collective): from here on an interrupt
+                    # leaves the notebook's model part-written, and the kernel says so
+                    ctx.send({"kind": "writing"})
+                    announced = True
                 dest.copy_(full)
             else:
                 assert buffer is not None
