@@ -102,12 +102,15 @@ TORCH_FSDP2 = """\
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
+from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group()
+# CPU ranks: the mesh says so (fully_shard's default mesh is on the GPU wherever CUDA exists)
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 loss_before = float(torch.nn.functional.mse_loss(model(X), Y))
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer)
-fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sampler = DistributedSampler(ds, shuffle=False)
 steps = 0
