@@ -104,3 +104,24 @@ def test_autocast_dtype_read_from_the_cell(cell, dtype):
     assert autocast_dtype(ast.parse(cell)) == dtype
     if dtype:
         assert isinstance(getattr(torch, dtype), torch.dtype)
+
+
+class _Config:
+    dtype = torch.bfloat16
+    amp = False
+
+
+@pytest.mark.parametrize("cell, dtype", [
+    ("with torch.autocast('cuda', dtype=DTYPE):\n    y = model(x)", "float16"),          # a notebook name
+    ("with torch.autocast('cuda', dtype=cfg.dtype):\n    y = model(x)", "bfloat16"),    # an attribute chain
+    ("with torch.autocast(DEVICE):\n    y = model(x)", "bfloat16"),                     # DEVICE = 'cpu'
+    ("with torch.autocast('cuda', dtype=pick()):\n    y = model(x)", None),             # not settled: fp32
+    ("with torch.autocast('cuda', dtype=torch.bfloat16, enabled=False):\n    y = model(x)", None),
+    ("with torch.autocast('cuda', dtype=torch.bfloat16, enabled=cfg.amp):\n    y = model(x)", None),
+    ("with torch.autocast('cuda', dtype=torch.bfloat16, enabled=AMP):\n    y = model(x)", "bfloat16"),
+    ("with torch.autocast('cuda', dtype=torch.bfloat16, enabled=unknown):\n    y = model(x)", None),
+])
+def test_autocast_dtype_reads_the_notebooks_names(cell, dtype):
+    namespace = {"torch": torch, "DTYPE": torch.float16, "cfg": _Config, "DEVICE": "cpu", "AMP": True,
+                 "pick": lambda: torch.float16}
+    assert autocast_dtype(ast.parse(cell), namespace) == dtype

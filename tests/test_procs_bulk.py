@@ -55,3 +55,28 @@ def test_bulk_bytes_reach_a_process_as_it_starts():
     assert queue.get(timeout=60) == (b"weight", True)   # mapped shared memory, as torch's own
     p.join(10)
     assert p.exitcode == 0
+
+
+def test_share_in_place_keeps_the_objects_and_their_values_in_one_memfd():
+    from gpumagic.procs.bulk import share_in_place
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.BatchNorm1d(200))
+    base = torch.arange(12.0)
+    view = base[4:10].view(2, 3)              # a view of another tensor's storage
+    tensors = [*model.parameters(), *model.buffers(), base, view]
+    before = [t.detach().clone() for t in tensors]
+    objects = [id(t) for t in tensors]
+    share_in_place(tensors)
+    assert [id(t) for t in tensors] == objects
+    assert all(t.is_shared() for t in tensors)
+    assert all(torch.equal(t, b) and t.dtype == b.dtype for t, b in zip(tensors, before))
+    base[5] = -1.0                             # still a view of base
+    assert view[0, 1] == -1.0
+    # one mapping for all of them, and nothing named in /dev/shm
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    maps = open("/proc/self/maps").read()
+    assert "/dev/shm" not in maps
+    out = model(torch.randn(4, 300))           # the module still works, and autograd sees the parameters
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+    share_in_place(tensors)                    # shared already: nothing moves
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1

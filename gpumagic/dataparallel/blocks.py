@@ -116,13 +116,14 @@ def _shares_parameters(module, chosen: list[str]) -> str | None:
     return None
 
 
-_AUTOCASTS = {"autocast"}
 _DEFAULT_AUTOCAST = {"cuda": "float16", "cpu": "bfloat16"}
 
 
-def autocast_dtype(tree: ast.AST) -> str | None:
+def autocast_dtype(tree: ast.AST, namespace: dict | None = None) -> str | None:
     """The dtype of the first ``torch.autocast(...)`` / ``torch.amp.autocast(...)`` the cell enters,
-    as a torch dtype name (``"bfloat16"``), or None. Without ``dtype=`` it is the device type's default."""
+    as a torch dtype name (``"bfloat16"``), or None: no autocast, ``enabled=False``, or a dtype or
+    ``enabled`` the notebook's names do not settle (then FSDP gathers in fp32: slower, not wrong).
+    Without ``dtype=`` it is the device type's default."""
     for node in ast.walk(tree):
         if not isinstance(node, (ast.With, ast.AsyncWith)):
             continue
@@ -131,20 +132,49 @@ def autocast_dtype(tree: ast.AST) -> str | None:
             if not isinstance(call, ast.Call):
                 continue
             func = call.func
-            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if fname not in _AUTOCASTS:
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) != "autocast":
                 continue
-            for kw in call.keywords:
-                if kw.arg == "dtype":
-                    value = kw.value
-                    return value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", None)
-            device = None
-            first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "device_type"),
-                                                        None)
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                device = first.value
-            chain = ast.unparse(func)
-            if chain.startswith(("torch.cuda.amp", "cuda.amp")):
+            keywords = {kw.arg: kw.value for kw in call.keywords}
+            if "enabled" in keywords and _value(keywords["enabled"], namespace) is not True:
+                return None
+            if "dtype" in keywords:
+                dtype = _value(keywords["dtype"], namespace)
+                return str(dtype).removeprefix("torch.") if type(dtype).__name__ == "dtype" else None
+            first = call.args[0] if call.args else keywords.get("device_type")
+            device = _value(first, namespace) if first is not None else None
+            if ast.unparse(func).startswith(("torch.cuda.amp", "cuda.amp")):
                 device = "cuda"
-            return _DEFAULT_AUTOCAST.get(device or "cuda")
+            return _DEFAULT_AUTOCAST.get(device if isinstance(device, str) else "cuda")
     return None
+
+
+_UNKNOWN = object()
+
+
+def _value(node: ast.expr, namespace: dict | None):
+    """A constant, or a name or attribute chain (``torch.bfloat16``, ``DTYPE``, ``cfg.dtype``) read
+    from the notebook; ``_UNKNOWN`` for anything else."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return _UNKNOWN
+    import builtins
+    if node.id == "torch" and (namespace is None or "torch" not in namespace):
+        import torch
+        value: object = torch
+    elif namespace is not None and node.id in namespace:
+        value = namespace[node.id]
+    elif hasattr(builtins, node.id):
+        value = getattr(builtins, node.id)
+    else:
+        return _UNKNOWN
+    for attr in reversed(chain):
+        try:
+            value = getattr(value, attr)
+        except Exception:  # noqa: BLE001 - any attribute may raise: not settled
+            return _UNKNOWN
+    return value

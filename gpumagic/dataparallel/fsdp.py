@@ -4,9 +4,10 @@ A model too big for one GPU's training state trains sharded over the ranks
 (:mod:`.sharding` is the ranks' side). The kernel never holds a second copy of it:
 
 * the notebook's CPU model (and its optimizer's state) is moved into shared
-  memory in place, once (``share_memory_()``: the same tensor objects), and
-  travels by reference; each rank copies only its shard out of it. A model on
-  the ``meta`` device travels as its structure; the ranks initialise it;
+  memory in place, once (:func:`~gpumagic.procs.bulk.share_in_place`: the same
+  tensor objects, in a ``memfd``), and travels by reference; each rank copies it
+  to its device a block at a time, keeping its shard. A model on the ``meta``
+  device travels as its structure; the ranks initialise it;
 * after the cell rank 0 gathers one tensor at a time and writes it into the
   notebook's tensor in place; only what the notebook has no tensor for
   (a fresh optimizer's state, a model on a GPU) comes through the pool's buffer;
@@ -112,7 +113,7 @@ def choose_all_blocks(modules: dict, wrap: list[str] | None) -> dict:
 
 
 def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
-                     keep_optimizer: bool) -> FsdpShipment:
+                     keep_optimizer: bool, namespace: dict | None = None) -> FsdpShipment:
     """Decide what the ranks kept, and put the rest in shared memory; returns the :class:`FsdpShipment`."""
     import torch
     records = _records(pool)
@@ -141,7 +142,7 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
         # an optimizer of a meta model keeps its state in the workers, as the model does its weights
         "keep_optimizers": [n for n, o in optimizers.items() if keep_optimizer or any(
             id(p) in stay_ids for g in o.param_groups for p in g["params"])],
-        "param_dtype": autocast_dtype(tree)})
+        "param_dtype": autocast_dtype(tree, namespace)})
     shipment.config.update(_new_targets(records, modules, optimizers))
     for name, module in modules.items():
         if name in kept_modules:
@@ -206,14 +207,12 @@ def _unchanged(record: _Record | None, obj, keys_of) -> bool:
 
 
 def _share(tensors) -> set:
-    """CPU tensors moved into shared memory in place (the same objects; once: a shared one stays)."""
-    ids = set()
-    for t in tensors:
-        if t.device.type == "cpu" and not t.is_meta:
-            if not t.is_shared():
-                t.share_memory_()
-            ids.add(id(t))
-    return ids
+    """CPU tensors moved into shared memory in place (the same objects; once: a shared one stays);
+    returns their ids."""
+    from ..procs.bulk import share_in_place
+    cpu = [t for t in tensors if t.device.type == "cpu" and not t.is_meta]
+    share_in_place(cpu)
+    return {id(t) for t in cpu}
 
 
 def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, shipment: FsdpShipment) -> list[str]:

@@ -200,7 +200,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     pool, started = _pool(plan)
     t_pool = time.monotonic()
     shipment = prepare_shipment(compiled.tree, survey.modules, survey.optimizers, pool, blocks,
-                                plan.keep_optimizer) if blocks is not None else None
+                                plan.keep_optimizer, ns) if blocks is not None else None
     try:
         packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns,
                                    targets=_tensor_targets(survey, "cpu" if shipment else "rank"),

@@ -4,7 +4,8 @@
 (``fully_shard`` per block, see :mod:`.blocks`, then the whole model): a rank
 holds ``1/N`` of the parameters, gradients and optimizer state. The module
 arrives as views of the notebook's own tensors (in shared memory, see
-:mod:`.fsdp`), so no rank copies more than its shard of it; a module on the
+:mod:`.fsdp`): FSDP copies one block at a time to the rank's device and keeps
+the rank's shard of it, so no rank holds more than its shards plus one block; a module on the
 ``meta`` device is materialised block by block on the rank's device (each
 submodule's ``reset_parameters()``) and sharded before the next block exists.
 The notebook's optimizers are pointed at the sharded parameters and their

@@ -27,7 +27,7 @@ from multiprocessing import reduction
 
 import torch
 
-__all__ = ["Outgoing", "Incoming", "BulkHandle", "shm_supported", "anonymous_memory"]
+__all__ = ["Outgoing", "Incoming", "BulkHandle", "shm_supported", "anonymous_memory", "share_in_place"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -54,6 +54,43 @@ def _map(fd: int, size: int) -> torch.Tensor:
         # torch keeps its own duplicate of the descriptor while the storage lives.
         return torch.empty(0, dtype=torch.uint8).set_(new_shared(fd, size))
     return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)  # pragma: no cover - older torch
+
+
+def share_in_place(tensors) -> None:
+    """Move CPU tensors into one piece of anonymous shared memory, in place (the same tensor
+    objects, ``is_shared()`` afterwards; tensors viewing one storage keep doing so).
+
+    Like ``Tensor.share_memory_()``, but a ``memfd``: nothing in ``/dev/shm``, whose size a
+    container may cap at 64 MB, and one descriptor for all of them. Each storage is copied and
+    let go in turn, so the peak is the tensors plus their largest storage. Other processes map
+    it through torch's reducers (``multiprocessing``), as they would ``share_memory_()``'s.
+    """
+    storages: dict[int, list] = {}
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_shared() and t.untyped_storage().nbytes():
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    if not storages:
+        return
+    offsets, total = {}, 0
+    for ptr, group in storages.items():
+        offsets[ptr] = total
+        total += -(-group[0].untyped_storage().nbytes() // 64) * 64
+    fd = anonymous_memory(total)
+    try:
+        home = _map(fd, total)
+    finally:
+        os.close(fd)   # the mapping keeps its own descriptor
+    whole = home.untyped_storage()
+    with torch.no_grad():
+        for ptr, group in storages.items():
+            old = group[0].untyped_storage()
+            start = offsets[ptr]
+            home[start: start + old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+            for t in group:
+                size = t.element_size()
+                moved = torch.empty(0, dtype=t.dtype).set_(whole, (start + t.storage_offset() * size) // size,
+                                                           t.shape, t.stride())
+                t.data = moved
 
 
 class Outgoing:
