@@ -53,9 +53,9 @@ given back before the next starts):
 Prints a table and appends it to ``benchmarks/RESULTS.md``; exits 1 when the
 fsdp column failed, its loss did not fall or its weight check failed (an
 out-of-memory ``ddp`` or ``one`` column is the expected outcome, not a
-failure). ``--strategy fsdp`` moves the notebook's model into shared memory
-(``/dev/shm``), so on GPUs the script first checks that ``/dev/shm`` has room
-for it. Run from the repository root::
+failure). ``--strategy fsdp`` moves the notebook's model into anonymous shared
+memory (a memfd, not ``/dev/shm``): the host needs room for it once. Run from
+the repository root::
 
     python benchmarks/fsdp.py            # 2 GPUs: about 4-6 minutes, the model built twice on the host
     python benchmarks/fsdp.py --columns fsdp --layers 4     # a smaller model, the fsdp column alone
@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
-import math
 import os
 import signal
 import subprocess
@@ -496,12 +495,6 @@ def run_column(opts, column: str, workdir: str, argv: list, limit: float) -> dic
     return out
 
 
-def shm_room(s: dict) -> tuple[int, int]:
-    """(bytes free in /dev/shm, bytes the fsdp column puts there: the notebook's fp32 model)."""
-    st = os.statvfs("/dev/shm")
-    return st.f_bavail * st.f_frsize, 4 * s["params"]
-
-
 def loss_text(r: dict) -> str:
     losses = r.get("losses")
     return f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
@@ -572,13 +565,6 @@ def main(argv=None) -> None:
           f"state {gib(state)} (16 bytes a parameter), {gib(state / s['nprocs'])} a GPU sharded over "
           f"{s['nprocs']}", flush=True)
     print(f"machine: {machine(gpus)}; {versions()}", flush=True)
-    if "fsdp" in columns and not opts.quick:
-        free, need = shm_room(s)
-        if free < need * 1.05:
-            size = math.ceil(need * 1.5 / 2**30)
-            sys.exit(f"/dev/shm has {gib(free)} free; --strategy fsdp moves the notebook's {gib(need)} model into "
-                     f"shared memory there. Make room first (as root: mount -o remount,size={size}G /dev/shm), "
-                     "or run a smaller model (--layers, --d-model)")
 
     header = ["column", "result", "samples/s", "tokens/s", "peak allocated, per GPU", "peak reserved, per GPU",
               "loss, first -> last step", "weights back in"]
