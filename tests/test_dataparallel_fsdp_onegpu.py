@@ -83,3 +83,15 @@ def test_meta_model_and_bf16_autocast_on_the_gpu(shell):
     assert all(v == v for v in losses) and sum(losses[-4:]) < sum(losses[:4])
     assert all(p.is_meta for p in ns["model"].parameters())
     assert 0 < ns["peak"] < 200 * 2 ** 20
+
+
+def test_a_model_on_the_gpu_in_the_kernel_trains_and_comes_back_there_with_a_note(shell):
+    ns = _setup(shell, "model = model.cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    params = list(ns["model"].parameters())
+    before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
+    body = TRAIN.replace("model(x) - y", "model(x.cuda()) - y.cuda()")
+    _, cap = dp_cell(shell, ONE, body)
+    assert "model is on cuda:0 in the kernel, which takes that GPU's memory" in cap.stderr
+    assert list(ns["model"].parameters()) == params and all(p.is_cuda for p in params)
+    assert all(not torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())
+    assert last_result().returned_bytes >= sum(p.numel() * 4 for p in params)   # through the buffer

@@ -158,6 +158,12 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
         else:
             shipment.shared |= _share([v for st in opt.state.values() for v in st.values()
                                        if isinstance(v, torch.Tensor) and v.dim() > 0])
+    for name, module in modules.items():
+        on_gpu = sorted({str(t.device) for t in module.parameters() if t.device.type == "cuda"})
+        if on_gpu and name not in kept_modules:
+            note(f"--strategy fsdp: {name} is on {', '.join(on_gpu)} in the kernel, which takes that GPU's memory "
+                 f"from the rank training there, and its weights come back through a copy; keep it on the CPU "
+                 f"({name}.cpu()) or build it on the meta device")
     for name in modules:
         what = ", ".join(blocks[name]) or "none (the whole model is one unit)"
         if name not in kept_modules:
