@@ -27,7 +27,6 @@ from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
 from gpumagic.procs import pool as poolmod
-from gpumagic.procs import remote
 from gpumagic.procs.loaders import shard_loader
 from tests.conftest import ROOT, run_cell
 from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
@@ -364,48 +363,6 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
 
 
 # ---------------------------------------------------------------- beyond one machine
-
-def test_ranks_from_another_machine_join_over_tcp(shell):
-    """A pool of one local rank and one rank lent by ``python -m gpumagic.procs.remote join`` (here on this machine)."""
-    run_cell(shell, SETUP.format(shuffle=False))
-    ns = shell.user_ns
-    ref_model, _, _ = _reference(ns)
-    with capture_output() as cap:
-        shell.run_line_magic("dataparallel", "listen --listen 127.0.0.1")
-    command = next(line.strip() for line in cap.stdout.splitlines() if "gpumagic.procs.remote join" in line).split()
-    assert command[:4] == ["python", "-m", "gpumagic.procs.remote", "join"] and command[4].startswith("127.0.0.1:")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    agent = subprocess.Popen([sys.executable] + command[1:-2] + ["--devices", "cpu", "--nprocs", "1"],
-                             cwd=ROOT, env=env)
-    line = "--devices cpu --nprocs 1 --remote 1 --listen 127.0.0.1"
-    try:
-        dp_cell(shell, line, TRAIN)
-        result = last_result()
-        assert result.devices[0] == "cpu" and result.devices[1].endswith(":cpu") and len(result.devices) == 2
-        for name, p in ns["model"].state_dict().items():
-            torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-5, rtol=0)
-        remote_pid = dp_pool().pids[1]
-        # the remote rank fails while the local one waits in a barrier: both end, and the agent's
-        # next worker joins the next pool by itself
-        with pytest.raises(WorkerError) as err:
-            dp_cell(shell, line, "import torch.distributed as dist\nout = model(X)\n"
-                               "if dist.get_rank() == 1:\n    raise KeyError('far away')\ndist.barrier()\n")
-        assert err.value.rank == 1 and err.value.pid == remote_pid
-        assert wait_dead([remote_pid]) == []
-        dp_cell(shell, line, "ok = float(model(X).sum())\n")
-        assert isinstance(ns["ok"], float) and dp_pool().pids[1] != remote_pid
-    finally:
-        poolmod.stop_pool(POOL_NAME)
-        remote.close_listener()
-        try:
-            agent.wait(15)      # the listener is gone: the agent leaves by itself
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-    assert agent.returncode == 0
-
-
-# ---------------------------------------------------------------- failures (these kill pools; run last)
 
 def test_symmetric_error_keeps_the_pool(shell):
     run_cell(shell, SETUP.format(shuffle=False))

@@ -34,16 +34,19 @@ LOOPBACK = "127.0.0.1"
 
 
 def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: str,
-                         master_addr: str = LOOPBACK, on_cpu: bool = False) -> dict[str, str]:
-    """What ``torchrun --nproc-per-node=world_size`` sets in rank ``rank``'s environment (one machine).
+                         master_addr: str = LOOPBACK, on_cpu: bool = False, node: dict | None = None) -> dict[str, str]:
+    """What ``torchrun --nproc-per-node=world_size`` sets in rank ``rank``'s environment (one machine;
+    ``node``: ``local_rank``, ``local_world_size``, ``node_rank``, ``nodes`` where ranks span machines).
 
     ``on_cpu``: also ``ACCELERATE_USE_CPU``, as ``accelerate launch --cpu`` sets; without it accelerate
     (and the Hugging Face Trainer) treat CPU processes as one process each.
     """
+    node = {"local_rank": rank, "local_world_size": world_size, "node_rank": 0, "nodes": 1, **(node or {})}
     values = {
-        "RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank, "ROLE_NAME": "default",
-        "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size, "ROLE_WORLD_SIZE": world_size,
-        "GROUP_WORLD_SIZE": 1, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
+        "RANK": rank, "LOCAL_RANK": node["local_rank"], "GROUP_RANK": node["node_rank"], "ROLE_RANK": rank,
+        "ROLE_NAME": "default", "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": node["local_world_size"],
+        "ROLE_WORLD_SIZE": world_size, "GROUP_WORLD_SIZE": node["nodes"], "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
         # The store behind MASTER_PORT is rank 0's (as with torchrun --standalone), not an agent's.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -55,10 +58,11 @@ def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: s
 
 
 @contextmanager
-def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: bool) -> Iterator[None]:
+def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: bool,
+             master_addr: str = LOOPBACK, node: dict | None = None) -> Iterator[None]:
     """The environment of a ``torchrun`` process while the block runs; the worker's own after it."""
     import torch
-    env = torchrun_environment(rank, world_size, master_port, run_id, on_cpu=on_cpu)
+    env = torchrun_environment(rank, world_size, master_port, run_id, master_addr, on_cpu=on_cpu, node=node)
     # torchrun sets OMP_NUM_THREADS, and accelerate cuts torch to one thread where it is unset: give
     # the share of cores the worker already runs with.
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads()))

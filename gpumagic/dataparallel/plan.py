@@ -10,14 +10,13 @@ In a notebook::
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 from ..errors import usage_error
 from ..procs.cpus import check_process_count
 from ..procs.seeding import check_seed
 
-__all__ = ["Plan", "make_plan", "check_launch", "STRATEGIES", "BACKENDS", "POOL_NAME", "host_address"]
+__all__ = ["Plan", "make_plan", "check_launch", "STRATEGIES", "BACKENDS", "POOL_NAME"]
 
 STRATEGIES = ("ddp", "fsdp", "dp")
 BACKENDS = ("nccl", "gloo")
@@ -29,7 +28,7 @@ CPU_DEFAULT_NPROCS = 2
 class Plan:
     """What a ``%%dataparallel`` cell will do."""
     strategy: str                       # "ddp" | "fsdp" | "dp"
-    devices: list[str]                  # one per rank (ddp) or per replica (dp)
+    devices: list[str]                  # one per rank (ddp) or per replica (dp); a cluster's: once formed
     backend: str | None = None          # ddp only
     timeout: float = 1800.0
     models: list[str] | None = None
@@ -39,13 +38,13 @@ class Plan:
     find_unused: bool = False
     bucket_mb: float | None = None
     notes: list[str] = field(default_factory=list)
-    remote: int = 0                     # ranks joining from other machines
-    listen: str | None = None           # the address other machines reach this kernel at
     grad_dtype: str = "fp32"            # the dtype gradients are all-reduced in
     compile: str | None = None          # torch.compile mode for the cell's models; None: eager
     launch: bool = False                # --launch: every rank as a torchrun process, whatever the cell
     wrap: list[str] | None = None       # fsdp: the block classes sharded as units (None: the repeated blocks)
     keep_optimizer: bool = False        # fsdp: the optimizer's state stays in the workers
+    cluster: str | None = None          # the ipyparallel cluster whose engines are the ranks (None: this machine)
+    nprocs: int | None = None           # on a cluster: how many of its engines (None: all)
 
     @property
     def processes(self) -> bool:
@@ -54,7 +53,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return len(self.devices) + self.remote
+        return len(self.devices)
 
 
 def _split(text: str | None) -> list[str]:
@@ -64,8 +63,8 @@ def _split(text: str | None) -> list[str]:
 def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy: str | None = None,
               models: str | None = None, backend: str | None = None, timeout: float | None = None,
               all_output: bool = False, seed: int | None = None, static_graph: bool = False,
-              find_unused: bool = False, bucket_mb: float | None = None, remote: int | None = None,
-              listen: str | None = None, oversubscribe: bool = False, grad_dtype: str | None = None,
+              find_unused: bool = False, bucket_mb: float | None = None, cluster: str | None = None,
+              oversubscribe: bool = False, grad_dtype: str | None = None,
               compile: str | None = None, launch: bool = False, wrap: str | None = None,
               keep_optimizer: bool = False, gpus=None) -> Plan:
     """Check the options against the machine; returns a :class:`Plan` or raises ``UsageError``.
@@ -75,12 +74,17 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     from .. import devices as devmod
     gpus = devmod.visible_gpus() if gpus is None else gpus
     strategy = (strategy or "ddp").lower()
-    backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, len(gpus))
+    backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, len(gpus))
     _check_fsdp_options(strategy, wrap, keep_optimizer, static_graph=static_graph, find_unused=find_unused,
                         bucket_mb=bucket_mb, grad_dtype=grad_dtype, compile=compile, launch=launch)
     check_seed(seed)
     grad_dtype = _check_grad_dtype(grad_dtype, strategy)
     compile_mode = _check_compile(compile, strategy)
+    if cluster is not None:
+        _check_cluster_options(cluster, strategy, devices, oversubscribe)
+        return Plan(strategy, [], backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
+                    static_graph, find_unused, bucket_mb, [], grad_dtype, compile_mode, bool(launch),
+                    cluster=cluster, nprocs=nprocs)
     notes: list[str] = []
     listed = _listed_devices(devices, gpus)
     chosen = _choose_devices(listed, nprocs, strategy, [g.device for g in gpus], notes)
@@ -95,12 +99,10 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         return _dp_plan(chosen, backend, timeout, models, all_output, seed, notes)
     on_gpu = chosen[0] != "cpu"
     backend = _check_backend(backend, on_gpu)
-    if on_gpu and len(chosen) == 1 and not remote:
+    if on_gpu and len(chosen) == 1:
         notes.append(f"one device ({chosen[0]}): a single worker process, no speed-up")
-    if remote:
-        listen = listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") or host_address()
     plan = Plan(strategy, chosen, backend, float(timeout or 1800.0), _split(models) or None, all_output, seed,
-                static_graph, find_unused, bucket_mb, notes, int(remote or 0), listen, grad_dtype, compile_mode,
+                static_graph, find_unused, bucket_mb, notes, grad_dtype, compile_mode,
                 bool(launch), _split(wrap) or None, bool(keep_optimizer))
     if launch:
         check_launch(plan, "--launch")
@@ -119,14 +121,28 @@ def check_launch(plan: Plan, why: str) -> None:
                           "distributes: set them there (for example DistributedDataParallel(static_graph=True), "
                           "torch.compile(model)), or drop them", ["--devices", "--nprocs", "--backend", "--timeout",
                                                                    "--all-output", "--seed", "--model"])
-    if plan.remote:
-        raise usage_error(f"--remote: ranks on other machines do not run {reason} yet", ["drop --remote"])
     gpus = [d for d in plan.devices if d != "cpu"]
     if gpus and gpus != [f"cuda:{i}" for i in range(len(gpus))]:
         raise usage_error(f"--devices {','.join(plan.devices)}: {reason}, rank k uses GPU LOCAL_RANK=k as under "
                           "torchrun, so the ranks need cuda:0 to cuda:N-1 in order; to train on other GPUs, start "
                           "the kernel with CUDA_VISIBLE_DEVICES naming them",
                           [f"--nprocs {len(gpus)}", ",".join(f"cuda:{i}" for i in range(len(gpus)))])
+
+
+def _check_cluster_options(cluster: str, strategy: str, devices, oversubscribe: bool) -> None:
+    """On a cluster the engines are the ranks: what this machine's options choose does not apply."""
+    if strategy != "ddp":
+        raise usage_error(f"--cluster: the engines run --strategy ddp (and launch mode); --strategy {strategy} runs "
+                          "on this machine",
+                          ["--cluster with --strategy ddp", f"--strategy {strategy} without --cluster"])
+    if devices is not None:
+        raise usage_error("--cluster: each engine's device is its host's GPU LOCAL_RANK (or the CPU); --devices "
+                          "names this machine's", ["--cluster --nprocs N (the first N engines)", "drop --cluster"])
+    if oversubscribe:
+        raise usage_error("--oversubscribe is about this machine's cores; the cluster places its engines",
+                          ["drop --oversubscribe"])
+    if not cluster:
+        raise usage_error("--cluster: name the cluster", ["--cluster (the one started here)", "--cluster PROFILE"])
 
 
 def _check_fsdp_options(strategy: str, wrap, keep_optimizer: bool, **ddp_options) -> None:
@@ -173,7 +189,7 @@ def _check_grad_dtype(grad_dtype: str | None, strategy: str) -> str:
     return grad_dtype
 
 
-def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_count: int) -> str | None:
+def _check_options(strategy, nprocs, timeout, backend, bucket_mb, gpu_count: int) -> str | None:
     """Options that are wrong whatever the machine; returns the backend, lower-cased."""
     if strategy not in STRATEGIES:
         raise usage_error(f"--strategy {strategy!r} is not a strategy", STRATEGIES)
@@ -190,11 +206,6 @@ def _check_options(strategy, nprocs, timeout, backend, bucket_mb, remote, gpu_co
     if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb > 0):
         raise usage_error(f"--bucket-mb {bucket_mb}: must be a positive, finite number of MB",
                           ["--bucket-mb 25 (default)", "--bucket-mb 100"])
-    if remote is not None and remote < 0:
-        raise usage_error(f"--remote {remote}: the number of ranks joining from other machines", ["--remote 8"])
-    if remote and strategy != "ddp":
-        raise usage_error(f"--remote: ranks on other machines run --strategy ddp only; --strategy {strategy} "
-                          "runs on this machine", ["--strategy ddp"])
     return backend
 
 
@@ -272,12 +283,3 @@ def _check_backend(backend: str | None, on_gpu: bool) -> str:
         if not dist.is_nccl_available():
             raise usage_error("--backend nccl: this torch was built without NCCL", ["gloo"])
     return backend
-
-
-def host_address() -> str:
-    """This machine's address as other machines would reach it (the hostname's)."""
-    import socket
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

@@ -157,10 +157,23 @@ def _backend_flags() -> dict:
 
 
 def _pool(plan: Plan):
+    """This machine's worker pool (started if needed), or the cluster's engines; and whether it started."""
+    if plan.cluster is not None:
+        from .cluster import connect, form
+        ranks = connect(plan.cluster)
+        formed = ranks.formed
+        return form(ranks, plan.nprocs, plan.backend, plan.timeout), not formed
     from ..procs import pool as poolmod
-    extra = {"remote": plan.remote, "master_addr": plan.listen} if plan.remote else {}
-    return poolmod.get_pool(POOL_NAME, plan.devices, plan.backend, timeout=plan.timeout, preload=RANK_PRELOAD,
-                            **extra)
+    return poolmod.get_pool(POOL_NAME, plan.devices, plan.backend, timeout=plan.timeout, preload=RANK_PRELOAD)
+
+
+def _on_cluster(plan: Plan) -> tuple[Plan, bool]:
+    """A ``--cluster`` plan with the engines' devices and backend: the engines are found and formed into
+    ranks now, before anything of the cell travels (``UsageError`` where they cannot be). Also whether
+    they were formed now."""
+    import dataclasses
+    ranks, formed_now = _pool(plan)
+    return dataclasses.replace(plan, devices=list(ranks.devices), backend=ranks.backend), formed_now
 
 
 def _unshippable(exc: Unshippable):
@@ -178,6 +191,10 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     """
     global _last
     t_begin = time.monotonic()
+    t_cluster, cluster_formed = 0.0, False
+    if plan.cluster is not None and not plan.devices:
+        plan, cluster_formed = _on_cluster(plan)
+        t_cluster = time.monotonic() - t_begin if cluster_formed else 0.0
     ns = shell.user_ns
     compiled = compile_cell(shell, cell, header=header)
     used = read_names(compiled.tree, shell)
@@ -218,8 +235,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "loop_targets": loop_targets(compiled.tree),
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
-        "launch": {"master_port": free_loopback_port(), "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
-        if launch else None,
+        "launch": _launch_address(pool, plan) if launch else None,
         "fsdp": shipment.config if shipment else None,
         "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
@@ -233,7 +249,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
     pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
     t_end = time.monotonic()
-    pool_start = (t_pool - t_before_pool) if started else 0.0
+    started = started or cluster_formed
+    pool_start = ((t_pool - t_before_pool) if started else 0.0) + t_cluster
     user_ends = [p["t_user"][1] for p, _ in results]
     _last = CellResult(
         devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
@@ -260,6 +277,12 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         },
     )
     return _last
+
+
+def _launch_address(pool, plan: Plan) -> dict:
+    """Launch mode's MASTER_ADDR and MASTER_PORT (rank 0's host, a port free there) and run id."""
+    address, port = pool.launch_address() if plan.cluster is not None else ("127.0.0.1", free_loopback_port())
+    return {"master_addr": address, "master_port": port, "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
 
 
 def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list, dict]:

@@ -2,8 +2,8 @@
 
 Thin: parse the line, make a :class:`gpumagic.dataparallel.plan.Plan`, call
 ``dataparallel.run.run_cell`` or ``dataparallel.dp.run_cell``, show a one-line
-summary. The line form manages the worker pool: ``%dataparallel status``,
-``%dataparallel stop``.
+summary. The line form manages the worker pool and clusters: ``%dataparallel status``,
+``%dataparallel stop``, ``%dataparallel cluster start|stop``.
 """
 from __future__ import annotations
 
@@ -16,13 +16,31 @@ from .args import oversubscribe, parse
 
 __all__ = ["DataParallelMagics", "pool_status"]
 
-_ACTIONS = ("status", "stop", "listen")
+_ACTIONS = ("status", "stop", "cluster")
+_CLUSTER_ACTIONS = ("start", "stop")
+
+
+def cluster_status(ranks) -> display.Rendered:
+    """A cluster's ranks: host, engine, device, pid, and whether each engine is alive."""
+    st = ranks.status()
+    head = (f"%%dataparallel cluster: {st['source']}; {st['state']}, {st['world_size']} rank(s), backend "
+            f"{st['backend'] or '-'}, {st['tasks_run']} cell(s) run")
+    header = ["rank", "host", "engine", "device", "LOCAL_RANK", "pid", "alive"]
+    rows = [[str(r["rank"]), r["host"], str(r["engine"]), r["device"], str(r["local_rank"]), str(r["pid"]),
+             "yes" if r["alive"] else "no"] for r in st["ranks"]]
+    return display.Rendered(head + "\n" + display.text_table(rows, header),
+                            f"<b>{head}</b>" + display.html_table(rows, header))
 
 
 def pool_status() -> display.Rendered:
-    """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid."""
+    """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid;
+    the cluster's ranks instead while ``--cluster`` cells use one."""
+    from ..dataparallel.cluster import current_cluster
     from ..dataparallel.plan import POOL_NAME
     from ..procs import pool as poolmod
+    ranks = current_cluster()
+    if ranks is not None:
+        return cluster_status(ranks)
     pool = poolmod.current_pool(POOL_NAME)
     if pool is None:
         return display.Rendered("%%dataparallel pool: not started (the first %%dataparallel cell starts it)",
@@ -43,16 +61,19 @@ def pool_status() -> display.Rendered:
 
 @magics_class
 class DataParallelMagics(Magics):
-    """``%%dataparallel`` and ``%dataparallel status|stop``."""
+    """``%%dataparallel`` and ``%dataparallel status|stop|cluster start|cluster stop``."""
 
     @magic_arguments()
     @argument("action", nargs="?", default=None,
-              help="line form only: 'status' (the worker pool), 'stop' (end the worker processes), "
-                   "'listen' (print the command that lends another machine's GPUs to this kernel)")
+              help="line form only: 'status' (the worker pool, or the cluster's ranks), 'stop' (end the worker "
+                   "processes), 'cluster start' / 'cluster stop' (an ipyparallel cluster whose engines are the "
+                   "ranks of --cluster cells)")
+    @argument("verb", nargs="?", default=None, help="after 'cluster': start or stop")
     @argument("--devices", default=None,
               help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
-    @argument("--nprocs", type=int, default=None,
-              help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU")
+    @argument("--nprocs", "-n", type=int, default=None,
+              help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU; with --cluster, "
+                   "the first N engines; with 'cluster start', the engines to start")
     @argument("--strategy", default="ddp", choices=["ddp", "fsdp", "dp"],
               help="ddp (default): one worker process per device with DistributedDataParallel; "
                    "fsdp: one worker process per device, parameters, gradients and optimizer state sharded "
@@ -91,11 +112,12 @@ class DataParallelMagics(Magics):
                    "model and splits the data. Chosen without the flag when the cell builds a Hugging Face "
                    "Trainer, an Accelerator, a Lightning Trainer or Fabric, its own DDP or FSDP, or calls "
                    "init_process_group")
-    @argument("--remote", type=int, default=None,
-              help="N more ranks that join from other machines (python -m gpumagic.procs.remote join ...)")
-    @argument("--listen", default=None,
-              help="with --remote or listen: the address other machines reach this kernel at "
-                   "(default: $GPUMAGIC_LISTEN_ADDR, $MASTER_ADDR, else the hostname's)")
+    @argument("--cluster", nargs="?", const="started", default=None, metavar="PROFILE_OR_FILE",
+              help="run the ranks on the engines of an ipyparallel cluster: the one 'cluster start' started "
+                   "(no value), a profile's, or the cluster or client connection file given")
+    @argument("--engines", default="local",
+              help="with 'cluster start': ipyparallel's engine launcher: local, mpi, slurm, pbs, lsf, ssh, ...")
+    @argument("--profile", default=None, help="with 'cluster start': the ipyparallel profile (its config)")
     @oversubscribe
     @line_cell_magic
     def dataparallel(self, line, cell=None):
@@ -119,15 +141,16 @@ class DataParallelMagics(Magics):
         objects) hold rank 0's trained state and ``losses`` its values.
         Without GPUs, ``--nprocs N`` runs N CPU processes (gloo).
 
-        ``%dataparallel status`` shows the worker pool; ``%dataparallel stop``
-        ends it (``%unload_ext gpumagic`` does too). ``%dataparallel listen``
-        prints the command that lends another machine's GPUs to this kernel;
-        cells with ``--remote N`` then train on them too.
+        ``%dataparallel status`` shows the worker pool (or the cluster's ranks);
+        ``%dataparallel stop`` ends it (``%unload_ext gpumagic`` does too).
+        Beyond one machine: ``%dataparallel cluster start --engines slurm -n 8``
+        starts an ipyparallel cluster, and ``%%dataparallel --cluster`` cells
+        train on its engines (``--cluster PROFILE`` for one started elsewhere).
         """
         args = parse(self.dataparallel, line)
         if cell is None:
             return self._line(args)
-        if args.action is not None:
+        if args.action is not None or args.verb is not None:
             raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
                               "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
         from ..cell.compile import is_empty
@@ -135,7 +158,7 @@ class DataParallelMagics(Magics):
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
                          backend=args.backend, timeout=args.timeout, all_output=args.all_output, seed=args.seed,
                          static_graph=args.static_graph, find_unused=args.find_unused, bucket_mb=args.bucket_mb,
-                         remote=args.remote, listen=args.listen, oversubscribe=args.oversubscribe,
+                         cluster=args.cluster, oversubscribe=args.oversubscribe,
                          grad_dtype=args.grad_dtype, compile=args.compile, launch=args.launch, wrap=args.wrap,
                          keep_optimizer=args.keep_optimizer)
         if is_empty(cell):
@@ -157,29 +180,42 @@ class DataParallelMagics(Magics):
         display.note(result.summary())
         return result.value
 
+    def _only(self, args, action: str, allowed: set) -> None:
+        """``UsageError`` for options the line form ``action`` does not take."""
+        defaults = vars(parse(self.dataparallel, ""))
+        allowed = allowed | {"action", "verb"}
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in allowed and v != defaults[k]]
+        if given:
+            takes = ", ".join(f"--{k}" for k in sorted(allowed - {"action", "verb"})) or "no options"
+            raise usage_error(f"{' '.join(given)} belong(s) to the cell form (%%dataparallel {' '.join(given)} on "
+                              f"top of a cell); %dataparallel {action} takes {takes}", _ACTIONS)
+
+    def _cluster(self, args):
+        """``%dataparallel cluster start [--engines E] [-n N] [--profile P]`` and ``cluster stop``."""
+        from ..dataparallel import cluster
+        verb = args.verb
+        if verb not in _CLUSTER_ACTIONS:
+            raise usage_error(f"%dataparallel cluster {verb or ''}: start or stop".replace("  ", " "),
+                              ["%dataparallel cluster start --engines local -n 2", "%dataparallel cluster stop"])
+        if verb == "stop":
+            self._only(args, "cluster stop", set())
+            stopped = cluster.stop_cluster()
+            display.note("%%dataparallel: the cluster was stopped" if stopped else "%%dataparallel: no cluster in use")
+            return None
+        self._only(args, "cluster start", {"engines", "nprocs", "profile"})
+        ranks = cluster.start_cluster(args.engines, args.nprocs, args.profile)
+        display.note(f"%%dataparallel: {ranks.source}; run cells with %%dataparallel --cluster")
+        return None
+
     def _line(self, args):
         action = args.action or "status"
         if action not in _ACTIONS:
             raise usage_error(f"%dataparallel {action!r}: the line form takes an action", _ACTIONS)
-        defaults = vars(parse(self.dataparallel, ""))
-        allowed = {"action"} | ({"listen", "nprocs"} if action == "listen" else set())
-        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in allowed and v != defaults[k]]
-        if given:
-            raise usage_error(f"{' '.join(given)} belong(s) to the cell form (%%dataparallel {' '.join(given)} on "
-                              f"top of a cell); %dataparallel {action} takes "
-                              + ("--listen and --nprocs" if action == "listen" else "no options"), _ACTIONS)
-        if action == "listen":
-            import os
-
-            from ..dataparallel.plan import host_address
-            from ..procs.remote import session_listener
-            addr = args.listen or os.environ.get("GPUMAGIC_LISTEN_ADDR") or os.environ.get("MASTER_ADDR") \
-                or host_address()
-            listener = session_listener(addr)
-            n = args.nprocs or 1
-            print(f"On each other machine, run (N = its number of GPUs):\n  {listener.command(n)}\n"
-                  f"then run cells with %%dataparallel --remote <total ranks joining> --listen {listener.addr}")
-            return None
+        if action == "cluster":
+            return self._cluster(args)
+        if args.verb is not None:
+            raise usage_error(f"%dataparallel {action} takes no {args.verb!r}", _ACTIONS)
+        self._only(args, action, set())
         if action == "stop":
             from ..dataparallel.plan import POOL_NAME
             from ..procs import pool as poolmod

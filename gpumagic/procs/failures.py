@@ -88,11 +88,9 @@ def relabel(text: str) -> str:
 
 # ============================================================== kernel side
 
-def death_info(rank: int, pid: int | None, exitcode: int | None, remote: bool = False) -> dict:
+def death_info(rank: int, pid: int | None, exitcode: int | None) -> dict:
     """What to say about a worker that went away without a word (``exitcode`` None: still running)."""
-    if remote:
-        how = "the connection to the worker was lost"
-    elif exitcode is None:
+    if exitcode is None:
         how = "the worker closed its pipe"
     elif exitcode < 0:
         try:

@@ -41,16 +41,13 @@ class Rank:
     rank: int
     device: str
     pid: int | None = None
-    process: Any = None            # multiprocessing.Process; None for a rank on another machine
+    process: Any = None            # multiprocessing.Process
     conn: Any = None               # the kernel's end of the worker's pipe
     info: dict = field(default_factory=dict)   # what the worker reported when it was ready
-    remote: bool = False
     exitcode: int | None = None    # once it has ended
 
     @property
     def alive(self) -> bool:
-        if self.remote:
-            return self.conn is not None and not self.conn.closed
         return self.process is not None and self.process.exitcode is None and self.process.is_alive()
 
 
@@ -199,7 +196,7 @@ class WorkerGroup:
         if r.process is not None:
             r.process.join(1.0)
             code = r.process.exitcode
-        return death_info(rank, r.pid, code, remote=r.remote)
+        return death_info(rank, r.pid, code)
 
     def _incoming_for(self, rank: int):
         incoming = self._incoming.get(rank)
@@ -211,12 +208,6 @@ class WorkerGroup:
     # ---- ending
     def end(self, wait: float = 0.0, grace: float = STOP_GRACE) -> list:
         """End every worker (see :func:`~.teardown.end_processes`), close the pipes; returns exit codes."""
-        for r in self.ranks:
-            if r.remote and r.conn is not None:
-                try:
-                    r.conn.send(("kill",))   # its watchdog ends it, even inside a collective
-                except OSError:
-                    logger.debug("rank %s on another machine is already gone", r.rank, exc_info=True)
         live = [r for r in self.ranks if r.process is not None]
         codes = end_processes([r.process for r in live], wait=wait, grace=grace)
         for r, code in zip(live, codes):

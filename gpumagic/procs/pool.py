@@ -9,7 +9,7 @@ are the :mod:`.worker` main loop: they die with the kernel, ignore Ctrl-C
 also ends the DataLoader workers it started.
 
 The ranks meet in a ``FileStore`` in a directory only this user can enter
-(:mod:`.rendezvous`; a ``TCPStore`` when ranks join from other machines);
+(:mod:`.rendezvous`);
 gloo and NCCL are told to use the loopback interface. Bulk bytes travel through anonymous
 shared memory (:mod:`.bulk`): nothing has a name in ``/dev/shm``.
 
@@ -49,23 +49,17 @@ class WorkerPool(WorkerGroup):
     (seconds a collective may wait) go to ``torch.distributed``. ``env`` is
     added to every worker's environment; ``preload`` are modules each worker
     imports while starting (what a first task would import anyway).
-    ``master_addr`` is where the rendezvous listens (loopback unless the pool
-    spans machines); ``remote`` more ranks join from other machines.
+    The rendezvous is a private file store and the process group listens on
+    loopback only (ranks on other machines are ipyparallel engines:
+    :mod:`gpumagic.dataparallel.cluster`).
     """
 
     def __init__(self, devices, backend: str | None = "gloo", *, timeout: float = 1800.0,
-                 name: str = "pool", env: dict | None = None, master_addr: str = LOOPBACK,
-                 master_port: int = 0, start_timeout: float = 180.0, remote: int = 0, preload: tuple = ()):
-        super().__init__([str(d) for d in devices] + ["remote"] * int(remote), name=name)
-        self.local = self.world_size - int(remote)
-        self.remote = int(remote)
-        for r in self.ranks[self.local:]:
-            r.remote = True
+                 name: str = "pool", env: dict | None = None, start_timeout: float = 180.0, preload: tuple = ()):
+        super().__init__([str(d) for d in devices], name=name)
         self.backend = backend
         self.timeout = float(timeout)
         self.env = dict(env or {})
-        self.master_addr = master_addr
-        self.master_port = master_port
         self.start_timeout = start_timeout
         self.preload = tuple(preload)
         self.started_at: float | None = None
@@ -80,7 +74,7 @@ class WorkerPool(WorkerGroup):
 
     @property
     def key(self) -> tuple:
-        return (tuple(self.devices[: self.local]), self.backend, self.master_addr, self.remote)
+        return (tuple(self.devices), self.backend)
 
     @property
     def alive(self) -> bool:
@@ -97,12 +91,8 @@ class WorkerPool(WorkerGroup):
         self.state = "running"
         try:
             configs = [self._config(r.rank, r.device) for r in self.ranks]
-            super().start("spawn", configs, ranks=range(self.local))
-            if self.remote:
-                from .remote import accept_ranks
-                accept_ranks(self, t0 + max(self.start_timeout, 600.0))
-            self.wait_ready(t0 + self.start_timeout + (600.0 if self.remote else 0.0),
-                            what=f"start within {self.start_timeout:.0f} s")
+            super().start("spawn", configs)
+            self.wait_ready(t0 + self.start_timeout, what=f"start within {self.start_timeout:.0f} s")
         except BaseException:
             self.kill()
             raise
@@ -120,17 +110,12 @@ class WorkerPool(WorkerGroup):
                             threads=max(1, cores // max(1, cpu_ranks)) if device == "cpu" else None)
 
     def _serve_rendezvous(self):
-        from .rendezvous import private_file_store, serve_tcp
-        if self.remote:
-            return serve_tcp(self.master_addr, self.master_port, self.world_size, self.start_timeout)
+        from .rendezvous import private_file_store
         return private_file_store()
 
     def _worker_env(self) -> dict:
-        env = {}
-        if self.master_addr in (LOOPBACK, "localhost", "::1"):
-            # gloo and NCCL would otherwise pick the host's first interface and listen on it.
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-            env["NCCL_SOCKET_IFNAME"] = "lo"
+        # gloo and NCCL would otherwise pick the host's first interface and listen on it.
+        env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
         env.update(self.env)
         return env
 
@@ -212,7 +197,7 @@ class WorkerPool(WorkerGroup):
         out = self.outgoing
         senders = []
         for r in self.ranks:
-            ref, new = out.reference(data, peer=(r.rank, r.pid), can_share=not r.remote)
+            ref, new = out.reference(data, peer=(r.rank, r.pid), can_share=True)
             r.conn.send(("run", task, meta, ref))
             if ref is not None and ref[0] == "bytes":
                 # Socket writes release the GIL: such ranks receive at once.
@@ -231,7 +216,7 @@ class WorkerPool(WorkerGroup):
         for r in self.ranks:
             alive = r.alive
             rss = None
-            if alive and not r.remote:
+            if alive:
                 try:
                     rss = psutil.Process(r.pid).memory_info().rss
                 except psutil.Error:
@@ -269,8 +254,7 @@ def get_pool(name: str, devices, backend, **kwargs) -> tuple[WorkerPool, bool]:
     is stopped and replaced.
     """
     pool = _pools.get(name)
-    wanted = (tuple(str(d) for d in devices), backend, kwargs.get("master_addr", LOOPBACK),
-              int(kwargs.get("remote", 0)))
+    wanted = (tuple(str(d) for d in devices), backend)
     if pool is not None and pool.alive and pool.key == wanted and pool.timeout == kwargs.get("timeout", pool.timeout):
         return pool, False
     if pool is not None:

@@ -30,12 +30,16 @@ __all__ = ["join", "ensure_pool_group", "is_pool_group", "leave"]
 _state: dict[str, Any] = {}   # this process's: config, store, group, generation
 
 
-def join(config) -> None:
-    """Form the pool's process group for ``config`` (a :class:`~.worker.WorkerConfig`)."""
+def join(config, store=None) -> None:
+    """Form the pool's process group for ``config`` (a :class:`~.worker.WorkerConfig`), in ``store``
+    or the one its rendezvous names."""
     from .rendezvous import connect
-    if config.rendezvous is None:
-        raise RuntimeError("a process group needs a rendezvous")
-    _state.update(config=config, store=connect(config.rendezvous, config.world_size), generation=0)
+    if store is None:
+        if config.rendezvous is None:
+            raise RuntimeError("a process group needs a rendezvous")
+        store = connect(config.rendezvous, config.world_size)
+    # a new store holds no keys: every rank starts its groups' names afresh, wherever it was before
+    _state.update(config=config, store=store, generation=0)
     _form()
     _give_way_to_user_init()
 

@@ -2,13 +2,12 @@
 
 A pool on this machine meets in a ``FileStore`` inside a directory only this
 user can enter (0700): unlike a TCP port, even on 127.0.0.1, nothing another
-local user could connect to or write in. A pool with ranks on other machines
-needs a ``TCPStore``, served by the kernel on the socket it binds (torch's own
-would listen on every interface).
+local user could connect to or write in. (Ranks on other machines are
+ipyparallel engines, which meet at rank 0's ``TCPStore``:
+:mod:`gpumagic.dataparallel.engine`.)
 
-The kernel's side makes the store (:func:`private_file_store`,
-:func:`serve_tcp`); each rank calls :func:`connect` with what it was given,
-``("file", path)`` or ``("tcp", address, port)``.
+The kernel's side makes the store (:func:`private_file_store`); each rank
+calls :func:`connect` with what it was given, ``("file", path)``.
 
 This module is imported by workers: no IPython.
 """
@@ -21,11 +20,10 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrivateFileStore", "private_file_store", "serve_tcp", "connect", "CONNECT_TIMEOUT", "free_loopback_port"]
+__all__ = ["PrivateFileStore", "private_file_store", "connect", "CONNECT_TIMEOUT", "free_loopback_port"]
 
 CONNECT_TIMEOUT = 120.0   # seconds a rank waits for the others at the rendezvous
 _PREFIX = "gpumagic-rendezvous-"
@@ -79,55 +77,15 @@ def _running(pid: int) -> bool:
     return True
 
 
-class TcpStore:
-    """A ``TCPStore`` the kernel serves on ``address`` (for pools with ranks on other machines)."""
-
-    def __init__(self, address: str, port: int, world_size: int, timeout: float):
-        import torch.distributed as dist
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-            sock.listen(128)
-            self.address, self.port = address, sock.getsockname()[1]
-            # The kernel is one more client of its own store: world_size + 1.
-            self.store: Any = dist.TCPStore(address, self.port, world_size + 1, True,
-                                       timeout=datetime.timedelta(seconds=timeout),
-                                       wait_for_workers=False, master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store owns the descriptor now, and closes it when it goes
-
-    @property
-    def rendezvous(self) -> tuple:
-        return ("tcp", self.address, self.port)
-
-    def describe(self) -> str:
-        return f"{self.address}:{self.port}"
-
-    def close(self) -> None:
-        self.store = None
-
-
-def serve_tcp(address: str, port: int, world_size: int, timeout: float) -> TcpStore:
-    """Serve a ``TCPStore`` on ``address:port`` (0: a free port) for ``world_size`` ranks."""
-    return TcpStore(address, port, world_size, timeout)
-
-
 def connect(rendezvous: tuple, world_size: int):
-    """In a rank: the store named by ``rendezvous``, ``("file", path)`` or ``("tcp", address, port)``."""
+    """In a rank: the store named by ``rendezvous``, ``("file", path)``."""
     import torch.distributed as dist
     timeout = datetime.timedelta(seconds=CONNECT_TIMEOUT)
     if rendezvous[0] == "file":
         store = dist.FileStore(rendezvous[1], world_size)
         store.set_timeout(timeout)
         return store
-    if rendezvous[0] == "tcp":
-        _, address, port = rendezvous
-        return dist.TCPStore(address, port, world_size + 1, False, timeout=timeout)
-    raise ValueError(f"unknown rendezvous {rendezvous!r}: expected ('file', path) or ('tcp', address, port)")
+    raise ValueError(f"unknown rendezvous {rendezvous!r}: expected ('file', path)")
 
 
 def free_loopback_port() -> int:

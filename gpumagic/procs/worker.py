@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 from .failures import exception_info
@@ -62,7 +61,7 @@ class WorkerConfig:
     threads: int | None = None          # torch threads on a CPU device
     bind_cpus: bool = False             # run on the CPU cores near the GPU
     preload: tuple = ()                 # modules a first task would import: imported while starting
-    remote: bool = False                # on another machine: no descriptors, a watchdog instead of signals
+    remote: bool = False                # on another machine (an ipyparallel engine): no descriptors
 
 
 class WorkerContext:
@@ -169,8 +168,6 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
     gc.collect()
     gc.freeze()
     conn.send(("ready", info))
-    if config.remote:
-        threading.Thread(target=_watchdog, args=(ctx,), name="gpumagic-watchdog", daemon=True).start()
     incoming = None
     while True:
         try:
@@ -322,19 +319,6 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
         # The cell's namespace, its wrappers and their buffers are cycles (and may hold CUDA IPC
         # handles): free them now, while the kernel reads the results, not at some later step.
         gc.collect()
-
-
-def _watchdog(ctx: WorkerContext) -> None:
-    """A rank on another machine cannot be signalled from the kernel: while a task runs the kernel
-    sends nothing, so anything arriving (a kill, or the connection closing) means stop now,
-    even when the main thread is stuck in a collective."""
-    while True:
-        time.sleep(0.2)
-        try:
-            if ctx.in_task and ctx.conn.poll(0):
-                os._exit(1)
-        except (OSError, EOFError, ValueError):
-            os._exit(1)
 
 
 def _leave(conn) -> None:
