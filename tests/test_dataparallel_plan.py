@@ -66,11 +66,6 @@ def test_launch_with_strategy_dp_is_refused():
                               "in the kernel; valid choices: --strategy ddp --launch, --strategy dp")
 
 
-def test_launch_with_remote_ranks_is_refused():
-    with pytest.raises(UsageError, match="^--remote: ranks on other machines do not run with --launch yet"):
-        make_plan(launch=True, remote=1, listen="127.0.0.1", gpus=[])
-
-
 @pytest.mark.parametrize("devices", [["cuda:1"], ["cuda:1", "cuda:0"], ["cuda:0", "cuda:2"]])
 def test_launch_needs_gpus_cuda0_to_n_in_order(devices):
     with pytest.raises(UsageError) as err:
@@ -104,10 +99,30 @@ def test_fsdp_plan_has_worker_processes_and_its_options():
     (dict(strategy="fsdp", compile="default"), "--compile with --strategy fsdp"),
     (dict(strategy="fsdp", grad_dtype="bf16"), "--grad-dtype with --strategy fsdp"),
     (dict(strategy="fsdp", launch=True), "--launch runs the cell's own distribution"),
-    (dict(strategy="fsdp", remote=1), "--remote: ranks on other machines run --strategy ddp only"),
+    (dict(strategy="fsdp", cluster="started"), "--cluster: the engines run --strategy ddp"),
 ])
 def test_fsdp_options_are_checked_before_anything_starts(kwargs, says):
     with pytest.raises(UsageError) as err:
         make_plan(gpus=[], **kwargs)
     assert says in str(err.value)
     assert "valid choices" in str(err.value)
+
+
+# --- --cluster: the engines are the ranks -------------------------------------------------------------
+
+def test_cluster_plan_leaves_devices_to_the_engines():
+    plan = make_plan(cluster="myprofile", nprocs=4, gpus=[])
+    assert (plan.cluster, plan.nprocs, plan.devices, plan.strategy) == ("myprofile", 4, [], "ddp")
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(strategy="dp"), "--cluster: the engines run --strategy ddp (and launch mode); --strategy dp"),
+    (dict(devices="cpu"), "--devices names this machine's"),
+    (dict(oversubscribe=True), "--oversubscribe is about this machine's cores"),
+    (dict(cluster=""), "--cluster: name the cluster"),
+])
+def test_cluster_plan_refuses_this_machines_options(kwargs, says):
+    kwargs = {"cluster": "started", **kwargs}
+    with pytest.raises(UsageError) as err:
+        make_plan(gpus=[], **kwargs)
+    assert says in str(err.value) and "valid choices" in str(err.value)

@@ -38,7 +38,7 @@ def test_deaths_say_how():
     assert killed == "the worker was killed by signal 9 (SIGKILL: out of memory?)"
     assert death_info(0, 10, -signal.SIGTERM)["message"] == "the worker was killed by signal 15 (SIGTERM)"
     assert death_info(0, 10, 2)["message"] == "the worker exited with code 2"
-    assert death_info(0, None, None, remote=True)["message"] == "the connection to the worker was lost"
+    assert death_info(0, None, None)["message"] == "the worker closed its pipe"
 
 
 def _info(rank, exc_type="RuntimeError", message="boom", line="Cell In[3], line 4", **extra):

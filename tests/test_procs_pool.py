@@ -130,20 +130,3 @@ def test_a_killed_kernels_rendezvous_is_removed_by_the_next_pool(tmp_path, monke
     finally:
         pool.stop()
     assert not os.path.exists(ours)
-
-
-def test_a_pool_with_ranks_elsewhere_meets_over_tcp_on_its_address():
-    from gpumagic.procs.rendezvous import connect, serve_tcp
-    served = serve_tcp("127.0.0.1", 0, world_size=1, timeout=30)
-    try:
-        kind, address, port = served.rendezvous
-        assert (kind, address) == ("tcp", "127.0.0.1") and served.describe() == f"127.0.0.1:{port}"
-        listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
-        assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
-        rank_side = connect(served.rendezvous, world_size=1)
-        rank_side.set("key", "from a rank")
-        assert served.store.get("key") == b"from a rank"
-    finally:
-        served.close()
-    with pytest.raises(ValueError, match="expected"):
-        connect(("udp", "x"), 1)

@@ -122,7 +122,8 @@ def check_launch(plan: Plan, why: str) -> None:
                           "torch.compile(model)), or drop them", ["--devices", "--nprocs", "--backend", "--timeout",
                                                                    "--all-output", "--seed", "--model"])
     gpus = [d for d in plan.devices if d != "cpu"]
-    if gpus and gpus != [f"cuda:{i}" for i in range(len(gpus))]:
+    # (on a cluster each host numbers its own GPUs from LOCAL_RANK 0, as torchrun does)
+    if gpus and plan.cluster is None and gpus != [f"cuda:{i}" for i in range(len(gpus))]:
         raise usage_error(f"--devices {','.join(plan.devices)}: {reason}, rank k uses GPU LOCAL_RANK=k as under "
                           "torchrun, so the ranks need cuda:0 to cuda:N-1 in order; to train on other GPUs, start "
                           "the kernel with CUDA_VISIBLE_DEVICES naming them",
