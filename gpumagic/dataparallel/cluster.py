@@ -278,7 +278,8 @@ def _as_tensor(buffer):
 
 # ---------------------------------------------------------------- finding, starting, forming
 
-_current: ClusterRanks | None = None
+_current: ClusterRanks | None = None   # what the last --cluster cell (or cluster start) used
+_started: ClusterRanks | None = None   # the cluster %dataparallel cluster start started
 STARTED = "started"   # --cluster without a value: the cluster %dataparallel cluster start started
 
 
@@ -301,14 +302,14 @@ def connect(source: str) -> ClusterRanks:
     """The cluster named by ``source``: an ipyparallel profile, a cluster file (``cluster-*.json``),
     a client connection file (``ipcontroller-client.json``), or :data:`STARTED`. ``UsageError``
     when there is none to reach."""
-    global _current
     ipp = _ipyparallel()
     if source == STARTED:
-        if _current is None or not _current.owned:
+        if _started is None:
             raise usage_error("--cluster without a value uses the cluster '%dataparallel cluster start' started, and "
                               "none is running", ["%dataparallel cluster start --engines local -n 2",
                                                   "--cluster PROFILE", "--cluster path/to/ipcontroller-client.json"])
-        return _current
+        _replace(_started)
+        return _started
     if _current is not None and _current.source == source:
         return _current
     client, cluster = _client_for(ipp, source)
@@ -352,7 +353,7 @@ def _choices() -> list[str]:
 def _replace(ranks: ClusterRanks | None) -> None:
     global _current
     old, _current = _current, ranks
-    if old is not None and old is not ranks and not old.owned:
+    if old is not None and old is not ranks and old is not _started:
         try:
             old.client.close()
         except Exception:  # closing a client that lost its hub
@@ -378,26 +379,27 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
     client = cluster.start_and_connect_sync()
     session.register_closer("cluster", stop_cluster)   # %unload_ext and exit stop it too
     client.wait_for_engines(n or 1, timeout=600)
-    _replace(ClusterRanks(client=client, source=f"the cluster started here ({engines}, {len(client.ids)} engines)",
-                          cluster=cluster, owned=True))
-    assert _current is not None
-    return _current
+    global _started
+    _started = ClusterRanks(client=client, source=f"the cluster started here ({engines}, {len(client.ids)} engines)",
+                            cluster=cluster, owned=True)
+    _replace(_started)
+    return _started
 
 
 def stop_cluster() -> bool:
-    """Stop the cluster started here (its engines and controller); forget any other. Returns whether
-    there was one."""
-    ranks = _current
+    """Stop the cluster started here (its engines and controller) and forget the one in use. Returns
+    whether there was either."""
+    global _started
+    ranks, started = _current, _started
+    _started = None
     _replace(None)
-    if ranks is None:
-        return False
-    if ranks.owned and ranks.cluster is not None:
+    if started is not None:
         try:
-            ranks.client.close()
-            ranks.cluster.stop_cluster_sync()
+            started.client.close()
+            started.cluster.stop_cluster_sync()
         except Exception:  # stopping what is already gone
             logger.debug("stopping the cluster failed", exc_info=True)
-    return True
+    return ranks is not None or started is not None
 
 
 def form(ranks: ClusterRanks, nprocs: int | None, backend: str | None, timeout: float) -> ClusterRanks:
