@@ -227,8 +227,12 @@ class ClusterRanks:
 
     def controller_alive(self) -> bool:
         """Whether the controller still answers at its registration address."""
-        if self.cluster is not None and getattr(self.cluster, "controller", None) is not None:
-            return bool(getattr(self.cluster.controller, "running", True))
+        launcher = getattr(self.cluster, "controller", None) if self.cluster is not None else None
+        if launcher is not None and callable(getattr(launcher, "poll", None)):
+            try:
+                return launcher.poll() is None   # a local process: whether it still runs
+            except Exception:  # a launcher that cannot tell (a batch job): ask the address below
+                logger.debug("the controller's launcher cannot say whether it runs", exc_info=True)
         url = getattr(self.client, "_config", {}).get("registration", "")   # tcp://host:port
         try:
             host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
