@@ -9,8 +9,9 @@ A model too big for one GPU's training state trains sharded over the ranks
   to its device a block at a time, keeping its shard. A model on the ``meta``
   device travels as its structure; the ranks initialise it;
 * after the cell rank 0 gathers one tensor at a time and writes it into the
-  notebook's tensor in place; only what the notebook has no tensor for
-  (a fresh optimizer's state, a model on a GPU) comes through the pool's buffer;
+  notebook's tensor in place; a fresh optimizer's state gets its tensors made
+  here first (:func:`gather_deferred_state`); only a model on a GPU comes
+  through the pool's buffer;
 * the ranks keep their shards: the next cell sends a token for each kept
   module and optimizer instead of its tensors when the notebook's are unchanged
   (same objects, same content by fingerprint, same hyperparameters).
@@ -39,7 +40,8 @@ from .blocks import autocast_dtype, choose_blocks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FsdpShipment", "choose_all_blocks", "prepare_shipment", "load_gathered", "on_meta"]
+__all__ = ["FsdpShipment", "choose_all_blocks", "prepare_shipment", "gather_deferred_state", "load_gathered",
+           "on_meta"]
 
 
 @dataclass
@@ -221,15 +223,41 @@ def _share(tensors) -> set:
     return {id(t) for t in cpu}
 
 
-def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, shipment: FsdpShipment) -> list[str]:
-    """Rank 0's gathered state into the notebook: what it wrote in place is there already; the rest
-    is copied from ``buffer``. Records what the ranks now hold. Returns the names whose trained
-    state stays in the workers."""
+def gather_deferred_state(state: dict, pool) -> dict:
+    """The optimizer state the notebook had no tensors for (a fresh optimizer's first moments): made
+    here in shared memory, zeroed, and filled in place by the ranks in a second task, so that no
+    process holds it twice. Returns ``{ref: tensor}``; ``state["tensors"]`` gets their entries."""
+    import torch
+
+    from ..procs.bulk import share_in_place
+    from .sharding import GATHER_DEFERRED
+    deferred = state.get("deferred") or []
+    if not deferred:
+        return {}
+    made = {tuple(ref): torch.zeros(shape, dtype=getattr(torch, dtype)) for ref, dtype, shape in deferred}
+    share_in_place(list(made.values()))
+    order = list(made)
+    results = pool.run(GATHER_DEFERRED, {"targets": made, "order": order})
+    state["tensors"] = list(state["tensors"]) + list(results[0][0]["tensors"])
+    sent = _records(pool)["sent"]
+    if sent is not None:   # the ranks keep these as write targets now
+        sent.update({ref: weakref.ref(t) for ref, t in made.items()})
+    return made
+
+
+def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, shipment: FsdpShipment,
+                  made: dict | None = None) -> list[str]:
+    """Rank 0's gathered state into the notebook: what it wrote in place is there already (``made``:
+    the optimizer tensors :func:`gather_deferred_state` made for it); the rest is copied from
+    ``buffer``. Records what the ranks now hold. Returns the names whose trained state stays in the
+    workers."""
     import torch
     config = shipment.config
+    made = made or {}
     by_module: dict = {}
     by_optimizer: dict = {}
     for ref, offset, dtype, shape, key in state["tensors"]:
+        ref = tuple(ref)
         view = None
         if offset >= 0:
             raw = buffer[offset: offset + _nbytes(dtype, shape)]
@@ -261,20 +289,27 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
             records["optimizers"][name] = _Record(weakref.ref(opt), _optimizer_keys(opt), _hyperparameters(opt))
             stayed.append(name)
             continue
-        _load_optimizer(opt, groups, by_optimizer.get(name, {}))
+        _load_optimizer(opt, groups, by_optimizer.get(name, {}), {r[2:]: t for r, t in made.items() if r[1] == name})
         records["optimizers"][name] = _Record(
             weakref.ref(opt), {r: key for r, (_, key) in by_optimizer.get(name, {}).items()}, _hyperparameters(opt))
     return stayed
 
 
-def _load_optimizer(opt, groups: dict, tensors: dict) -> None:
-    """The trained state: tensors written in place are the notebook's own, the others copied out of the buffer."""
+def _load_optimizer(opt, groups: dict, tensors: dict, made: dict) -> None:
+    """The trained state: tensors written in place are the notebook's own (or ``made`` for it, by
+    ``(index, key)``), the others copied out of the buffer."""
     flat = [p for g in opt.param_groups for p in g["params"]]
     state: dict = {}
     for idx, values in groups["plain"].items():
         state.setdefault(idx, {}).update(values)
     for (idx, k), (view, _) in tensors.items():
-        state.setdefault(idx, {})[k] = view.clone() if view is not None else opt.state[flat[idx]][k]
+        if view is not None:
+            value = view.clone()
+        elif (idx, k) in made:
+            value = made[(idx, k)]
+        else:
+            value = opt.state[flat[idx]][k]
+        state.setdefault(idx, {})[k] = value
     param_groups, start = [], 0
     for mine, theirs in zip(opt.param_groups, groups["param_groups"]):
         n = len(mine["params"])

@@ -40,7 +40,7 @@ from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.wire import Unshippable, pack_namespace
 from .detect import choose_mode
-from .fsdp import choose_all_blocks, load_gathered, prepare_shipment
+from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
@@ -335,8 +335,9 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
         if shipment:
+            made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
-                                            shipment)
+                                            shipment, made)
     except BaseException:
         pool.held = set()
         pool.fsdp_records = None

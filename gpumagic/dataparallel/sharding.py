@@ -32,7 +32,8 @@ from .blocks import block_instances
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["shard_modules", "gather_into_notebook", "kept_objects", "forget_kept"]
+__all__ = ["shard_modules", "gather_into_notebook", "gather_deferred", "GATHER_DEFERRED", "kept_objects",
+           "forget_kept"]
 
 _STATE_KEY = "fsdp"
 
@@ -222,6 +223,7 @@ def gather_into_notebook(ctx, meta: dict, inner: dict, opts: dict, prefix=None) 
             ref: tuple = ("module", name, fqn)
             items.append((ref, t, targets.get(ref)))
     groups: dict = {}
+    deferred: list = []
     for name, opt in opts.items():
         keep = name in config["keep_optimizers"]    # only the hyperparameters come back
         flat = [p for g in opt.param_groups for p in g["params"]]
@@ -229,8 +231,13 @@ def gather_into_notebook(ctx, meta: dict, inner: dict, opts: dict, prefix=None) 
         for idx, p in enumerate(flat):
             for k, v in sorted(opt.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
-                    if not keep:
-                        ref = ("optimizer", name, idx, k)
+                    ref = ("optimizer", name, idx, k)
+                    if keep:
+                        continue
+                    if targets.get(ref) is None and v.dim() > 0:
+                        # a fresh optimizer's state: the kernel makes its tensors, then gather_deferred
+                        deferred.append((ref, str(v.dtype).removeprefix("torch."), tuple(v.shape)))
+                    else:
                         items.append((ref, v, targets.get(ref)))
                 else:
                     plain.setdefault(idx, {})[k] = v
@@ -272,4 +279,33 @@ def gather_into_notebook(ctx, meta: dict, inner: dict, opts: dict, prefix=None) 
                           fingerprint_keys([full])[0]))
     if not rank0:
         return None, None
-    return {"tensors": where, "optimizers": groups}, (buffer[:total] if buffer is not None else prefix)
+    return {"tensors": where, "optimizers": groups, "deferred": deferred}, \
+        (buffer[:total] if buffer is not None else prefix)
+
+
+GATHER_DEFERRED = "gpumagic.dataparallel.sharding:gather_deferred"
+
+
+def gather_deferred(ctx, meta: dict, data) -> dict | None:
+    """A task after the cell's: the optimizer state the notebook had no tensors for, gathered into the
+    ones the kernel has just made (``meta["targets"]``, shared memory) in place. Every rank gathers;
+    returns rank 0's ``{"tensors": [(ref, -1, dtype, shape, key), ...]}``."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from ..procs.tensor_cache import fingerprint_keys
+    kept = _kept(ctx)
+    kept["targets"].update(meta["targets"])
+    where = []
+    with torch.no_grad():
+        for ref in meta["order"]:
+            _, name, idx, k = ref
+            opt = kept["optimizers"][name]
+            param = [p for g in opt.param_groups for p in g["params"]][idx]
+            t = opt.state[param][k]
+            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            if ctx.rank == 0:
+                meta["targets"][ref].copy_(full)
+                where.append((ref, -1, str(full.dtype).removeprefix("torch."), tuple(full.shape),
+                              fingerprint_keys([full])[0]))
+    return {"tensors": where} if ctx.rank == 0 else None
