@@ -117,6 +117,11 @@ class ClusterRanks:
         self.tasks_run += 1
         try:
             results, errors, pending = self._collect(futures, on_output, on_message, on_tick, grace)
+        except WorkerDied as exc:
+            if exc.exc_type != "ControllerLost":
+                self._stop_busy(futures, "interrupted")
+            self.formed = False
+            raise
         except BaseException:
             self._stop_busy(futures, "interrupted")
             raise
@@ -187,11 +192,14 @@ class ClusterRanks:
         r = self.ranks[rank]
         try:
             return future.get(0)
-        except ipp.error.EngineError as exc:
+        except (ipp.error.EngineError, ipp.error.RemoteError) as exc:
+            if isinstance(exc, ipp.error.RemoteError) and exc.ename != "EngineError":
+                return ("error", {"rank": rank, "pid": r.pid, "exc_type": type(exc).__name__,
+                                  "message": f"engine {r.engine} on {r.host}: {exc}", "traceback": ""})
             r.alive = False
             return ("error", {"rank": rank, "pid": r.pid, "exc_type": "WorkerDied",
                               "message": f"engine {r.engine} on {r.host} died during the cell ({exc})",
-                              "traceback": ""})
+                              "traceback": "", "died": True})
         except Exception as exc:  # noqa: BLE001 - ipyparallel's own failures (serialising, the hub)
             return ("error", {"rank": rank, "pid": r.pid, "exc_type": type(exc).__name__,
                               "message": f"engine {r.engine} on {r.host}: {exc}", "traceback": ""})
@@ -221,7 +229,7 @@ class ClusterRanks:
 
     def _signal(self, ranks, signum) -> None:
         try:
-            self.client.send_signal(signum, targets=[r.engine for r in ranks], block=True)
+            self.client.send_signal(signum, targets=[r.engine for r in ranks], block=False).result(timeout=5)
         except Exception:  # an engine already gone cannot be signalled
             logger.debug("signalling engines %s failed", [r.engine for r in ranks], exc_info=True)
 
@@ -275,9 +283,13 @@ def _call(name: str, *args):
 def _as_tensor(buffer):
     if buffer is None:
         return None
+    import warnings
+
     import numpy as np
     import torch
-    return torch.from_numpy(np.asarray(buffer, dtype=np.uint8).reshape(-1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # read-only message bytes, only ever read from
+        return torch.from_numpy(np.asarray(buffer, dtype=np.uint8).reshape(-1))
 
 
 # ---------------------------------------------------------------- finding, starting, forming
@@ -335,6 +347,13 @@ def _client_for(ipp, source: str):
                 cluster = ipp.Cluster.from_file(str(path))
                 return cluster.connect_client_sync(), cluster
             return ipp.Client(str(path), timeout=10), None
+        from IPython.core.profiledir import ProfileDir, ProfileDirError
+        from IPython.paths import get_ipython_dir
+        try:
+            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), source)
+        except ProfileDirError:
+            raise usage_error(f"--cluster {source}: no ipyparallel cluster reachable there (no profile {source!r} "
+                              f"in {get_ipython_dir()})", _choices()) from None
         try:
             cluster = ipp.Cluster.from_file(profile=source)
         except (OSError, ValueError, KeyError):
@@ -413,10 +432,22 @@ def form(ranks: ClusterRanks, nprocs: int | None, backend: str | None, timeout: 
             and (backend in (None, ranks.backend)) and timeout == ranks.timeout:
         return ranks
     client = ranks.client
-    if ranks.owned and ranks.ranks and not all(r.alive for r in ranks.ranks):
-        ranks.cluster.restart_engines_sync()       # engines stopped after the last cell: new ones
-        client.wait_for_engines(len(ranks.ranks), timeout=600)
-    engines = sorted(client.ids)
+    if not ranks.controller_alive():
+        raise usage_error(f"--cluster {ranks.source}: the ipyparallel controller is gone; the engines cannot be "
+                          "reached", _choices())
+    gone = [r for r in ranks.ranks if not r.alive or r.engine not in client.ids]
+    if ranks.owned and gone:
+        old = set(client.ids) | {r.engine for r in ranks.ranks}
+        ranks.cluster.restart_engines_sync()       # engines stopped or dead after the last cell: new ones
+        deadline = time.monotonic() + 600
+        while len(set(client.ids) - old) < len(ranks.ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    elif gone and nprocs is None and len(set(client.ids) - {r.engine for r in gone}) < len(ranks.ranks):
+        names = ", ".join(f"engine {r.engine} ({r.host})" for r in gone)
+        raise usage_error(f"--cluster {ranks.source}: {names} of the last cell's ranks is gone (stopped, or it "
+                          f"died); start it again (ipcluster engines), or run on the "
+                          f"{len(ranks.ranks) - len(gone)} left with --nprocs", ["ipcluster engines", "--nprocs N"])
+    engines = sorted(set(client.ids) - {r.engine for r in gone})
     if not engines:
         raise usage_error(f"--cluster {ranks.source}: the cluster has no engines", ["ipcluster engines -n 2",
                                                                                    "%dataparallel cluster start -n 2"])

@@ -156,7 +156,10 @@ def run_task(task: str, meta, data, show: bool) -> tuple:
     ctx.in_task = True
     try:
         process_group.ensure_pool_group()
-        bulk = torch.from_numpy(data) if data is not None else None
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # read-only message bytes, only ever read from
+            bulk = torch.from_numpy(data) if data is not None else None
         result = _task_function(task)(ctx, meta, bulk)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         # a view of the rank's buffer: ipyparallel sends it before the engine runs anything else
