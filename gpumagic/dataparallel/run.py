@@ -254,7 +254,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     user_ends = [p["t_user"][1] for p, _ in results]
     _last = CellResult(
         devices=list(pool.devices), backend=plan.backend or "", modules=list(survey.modules),
-        optimizers=list(survey.optimizers), loaders=list(survey.loaders), stateful=survey.stateful,
+        # (a notebook optimizer whose state a framework sharded is left as it was: not named as loaded)
+        optimizers=[n for n in survey.optimizers if shipment is not None or n in state.get("optimizers", {})],
+        loaders=list(survey.loaders), stateful=survey.stateful,
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
         not_returned=state.get("not_returned", []) + not_defined,
