@@ -71,10 +71,12 @@ def test_share_in_place_keeps_the_objects_and_their_values_in_one_memfd():
     assert all(torch.equal(t, b) and t.dtype == b.dtype for t, b in zip(tensors, before))
     base[5] = -1.0                             # still a view of base
     assert view[0, 1] == -1.0
-    # one mapping for all of them, and nothing named in /dev/shm
+    # one mapping for all of them: an anonymous memfd, nothing named in /dev/shm
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-    maps = open("/proc/self/maps").read()
-    assert "/dev/shm" not in maps
+    address = tensors[0].untyped_storage().data_ptr()
+    mapping = next(line for line in open("/proc/self/maps").read().splitlines()
+                   if int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16))
+    assert "memfd:gpumagic-bulk" in mapping and "/dev/shm" not in mapping, mapping
     out = model(torch.randn(4, 300))           # the module still works, and autograd sees the parameters
     out.sum().backward()
     assert model[0].weight.grad is not None
