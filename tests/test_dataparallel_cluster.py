@@ -29,7 +29,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel import cluster as clustermod
+from gpumagic.dataparallel import cluster_setup as clustermod
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
 from tests.cluster_helpers import ROOT, HandCluster, deadline, describe, fake_package, living, wait_gone

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from gpumagic.dataparallel import cluster
+from gpumagic.dataparallel import cluster_setup as cluster
 from gpumagic.dataparallel.run import last_result
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell

@@ -159,7 +159,7 @@ def _backend_flags() -> dict:
 def _pool(plan: Plan):
     """This machine's worker pool (started if needed), or the cluster's engines; and whether it started."""
     if plan.cluster is not None:
-        from .cluster import connect, form
+        from .cluster_setup import connect, form
         ranks = connect(plan.cluster)
         formed = ranks.formed
         return form(ranks, plan.nprocs, plan.backend, plan.timeout), not formed

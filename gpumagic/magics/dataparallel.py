@@ -35,7 +35,7 @@ def cluster_status(ranks) -> display.Rendered:
 def pool_status() -> display.Rendered:
     """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid;
     the cluster's ranks instead while ``--cluster`` cells use one."""
-    from ..dataparallel.cluster import current_cluster
+    from ..dataparallel.cluster_setup import current_cluster
     from ..dataparallel.plan import POOL_NAME
     from ..procs import pool as poolmod
     ranks = current_cluster()
@@ -192,7 +192,7 @@ class DataParallelMagics(Magics):
 
     def _cluster(self, args):
         """``%dataparallel cluster start [--engines E] [-n N] [--profile P]`` and ``cluster stop``."""
-        from ..dataparallel import cluster
+        from ..dataparallel import cluster_setup as cluster
         verb = args.verb
         if verb not in _CLUSTER_ACTIONS:
             raise usage_error(f"%dataparallel cluster {verb or ''}: start or stop".replace("  ", " "),
