@@ -3,6 +3,7 @@ TrainingArguments resolved again, Lightning's process-starting launchers run in 
 from __future__ import annotations
 
 import ast
+import gc
 import inspect
 import json
 import os
@@ -323,6 +324,10 @@ def test_distribution_watch_counts_ddp_wrapping_and_restores_init(tmp_path):
             ddp(torch.randn(1, 2)).sum().backward()
             raise KeyError("the cell fails after wrapping")
     finally:
+        # The DDP object goes before its group: a gloo group destroyed under a live DDP object can
+        # block that object's collection later (see gpumagic.procs.process_group).
+        ddp = None
+        gc.collect()
         dist.destroy_process_group()
     assert DistributedDataParallel.__init__ is original
     assert FullyShardedDataParallel.__init__ is fsdp_original
