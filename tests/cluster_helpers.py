@@ -21,7 +21,10 @@ from pathlib import Path
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
+# ipyparallel's programs through this Python (its console scripts may live in another environment's
+# bin, where the package comes from system site-packages)
+CONTROLLER = [sys.executable, "-m", "ipyparallel.controller"]
+ENGINE = [sys.executable, "-m", "ipyparallel.engine"]
 HOST_VARIABLE = "GPUMAGIC_HOST"
 
 
@@ -124,7 +127,7 @@ class HandCluster:
         self.ipython_dir.mkdir(exist_ok=True)
         deadline = time.monotonic() + timeout
         self.controller = self._popen(
-            [os.path.join(BIN, "ipcontroller"), f"--profile-dir={self.profile}", "--ip=127.0.0.1", "--ping=500",
+            [*CONTROLLER, f"--profile-dir={self.profile}", "--ip=127.0.0.1", "--ping=500",
              "--log-level=ERROR"], self.env(), "controller.log")
         while not (self.client_file.exists() and self.engine_file.exists()):
             if self.controller.poll() is not None:
@@ -140,7 +143,7 @@ class HandCluster:
         return self
 
     def _start_engine(self, host: str) -> subprocess.Popen:
-        proc = self._popen([os.path.join(BIN, "ipengine"), f"--file={self.engine_file}", "--timeout=30",
+        proc = self._popen([*ENGINE, f"--file={self.engine_file}", "--timeout=30",
                             "--log-level=ERROR"], self.env(host), f"engine-{host}.log")
         self.engines[host] = proc
         return proc
