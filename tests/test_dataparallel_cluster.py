@@ -34,33 +34,15 @@ from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
 from tests.cluster_helpers import ROOT, HandCluster, deadline, describe, fake_package, living, wait_gone
 from tests.conftest import run_cell
+from tests.test_magics_dataparallel import SETUP as LOCAL_SETUP
 
 pytest.importorskip("ipyparallel")
 pytestmark = pytest.mark.filterwarnings("ignore:the cell reads no DataLoader")
 
 HOSTS = ("host-a", "host-b")
 
-SETUP = """
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-class Net(nn.Module):                      # defined in the notebook: travels by value
-    def __init__(self):
-        super().__init__()
-        self.hidden = nn.Linear(6, 12)
-        self.out = nn.Linear(12, 2)
-    def forward(self, x):
-        return self.out(torch.tanh(self.hidden(x)))
-
-torch.manual_seed(0)
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-X = torch.randn(64, 6)
-Y = torch.randn(64, 2)
-loader = DataLoader(TensorDataset(X, Y), batch_size=16, shuffle=False)
-losses = []
-"""
+# the notebook of the local-pool tests, its loader unshuffled
+SETUP = LOCAL_SETUP.format(shuffle=False)
 
 TRAIN = """
 for epoch in range(2):
