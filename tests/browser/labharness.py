@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -53,6 +54,9 @@ CHROMIUM_ARGS = [
 ]
 
 
+WIDGET_MANAGER = "labextensions/@jupyter-widgets/jupyterlab-manager/package.json"
+
+
 def missing_requirements() -> list[str]:
     """What the browser test lacks on this machine (empty when it can run)."""
     missing = []
@@ -61,7 +65,28 @@ def missing_requirements() -> list[str]:
     for module in ("jupyterlab", "playwright", "jupyterlab_widgets", "ipykernel"):
         if importlib.util.find_spec(module) is None:
             missing.append(f"python package {module}")
+    if importlib.util.find_spec("jupyterlab_widgets") is not None and widget_data_dir() is None:
+        missing.append("the ipywidgets lab extension (jupyterlab_widgets' " + WIDGET_MANAGER + ")")
     return missing
+
+
+def widget_data_dir() -> Path | None:
+    """The ``share/jupyter`` folder holding the installed ipywidgets lab extension.
+
+    jupyterlab_widgets installs it as data files under its own prefix. In a
+    virtual environment made with --system-site-packages whose jupyterlab_widgets
+    comes from the base Python, that prefix is not one JupyterLab searches, and
+    every widget then fails in the page with "Exception opening new comm".
+    """
+    try:
+        dist = metadata.distribution("jupyterlab_widgets")
+    except metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if str(file).endswith(WIDGET_MANAGER):
+            found = Path(dist.locate_file(file)).resolve()
+            return found.parents[WIDGET_MANAGER.count("/")]
+    return None
 
 
 def _free_port() -> int:
@@ -133,9 +158,12 @@ class LabServer:
                     {"checkForUpdates": False, "fetchNews": "false"})
         env = dict(os.environ)
         pythonpath = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        # The widget manager's lab extension wherever its package put it (see widget_data_dir).
+        widgets = widget_data_dir()
+        data_path = [str(jupyter_path)] + ([str(widgets)] if widgets else [])
         env.update({
             "PYTHONPATH": os.pathsep.join(pythonpath),
-            "JUPYTER_PATH": str(jupyter_path),
+            "JUPYTER_PATH": os.pathsep.join(data_path),
             "JUPYTER_DATA_DIR": str(home / "jupyter-data"),
             "JUPYTER_CONFIG_DIR": str(home / "jupyter-config"),
             "JUPYTER_RUNTIME_DIR": str(home / "jupyter-runtime"),
