@@ -18,7 +18,8 @@
 #
 # Steps:
 #   1. the environment: `python3 -m venv`; where that python3 already imports
-#      torch, with --system-site-packages, so that torch is reused, not installed
+#      torch (and not with --fresh), with --system-site-packages, so that torch
+#      is reused, not installed
 #   2. torch: kept when the environment imports one; else, where `nvidia-smi -L`
 #      lists a GPU, `pip install torch` (PyPI's CUDA build, several GB); else the
 #      CPU build of torch 2.13.0 (see install_cpu_torch)
@@ -80,8 +81,9 @@ if [[ $fresh -eq 1 ]] || ! venv_works; then
     [[ -e "$venv" ]] && why="recreated"
     [[ $fresh -eq 1 && -e "$venv" ]] && why="created afresh"
     opts=(--clear)
-    # (Not from inside another virtual environment: a new one would not see its packages.)
-    if "$base" -c 'import sys, torch; sys.exit(sys.prefix != sys.base_prefix)' >/dev/null 2>&1; then
+    # (Not from inside another virtual environment: a new one would not see its packages.
+    # Not with --fresh: CI installs everything itself, whatever the machine's Python holds.)
+    if [[ $fresh -eq 0 ]] && "$base" -c 'import sys, torch; sys.exit(sys.prefix != sys.base_prefix)' >/dev/null 2>&1; then
         opts+=(--system-site-packages)
         why="$why, with $base's site-packages (its torch is reused)"
     fi
