@@ -107,7 +107,7 @@ def reference(ns, epochs=2):
     """Copies of the notebook's model and optimizer trained in this process on the full batches."""
     model = copy.deepcopy(ns["model"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt.load_state_dict(ns["opt"].state_dict())
+    opt.load_state_dict(copy.deepcopy(ns["opt"].state_dict()))   # (its tensors, not the notebook's)
     for _ in range(epochs):
         for x, y in ns["loader"]:
             opt.zero_grad()

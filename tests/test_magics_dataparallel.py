@@ -72,7 +72,7 @@ def _reference(ns, epochs=2, seed=None):
     """Train copies of the notebook's model and optimizer in this process on the full batches."""
     model = copy.deepcopy(ns["model"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt.load_state_dict(ns["opt"].state_dict())
+    opt.load_state_dict(copy.deepcopy(ns["opt"].state_dict()))   # (its tensors, not the notebook's)
     loader = ns["loader"] if seed is None else shard_loader(ns["loader"], 0, 1, seed=seed)
     losses = []
     for _ in range(epochs):

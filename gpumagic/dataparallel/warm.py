@@ -1,0 +1,234 @@
+"""``--compile`` across cells: each rank keeps the model it compiled, and a later cell trains that one.
+
+torch.compile's compiled code hangs off the code objects it traced, and its
+guards name the module objects. Every cell the kernel ships the notebook's model
+again: cloudpickle gives the rank the same class object for a notebook class it
+has seen (its class tracker), but fresh copies of the class's functions and a
+new module object, so compiling what arrived traces everything again (seconds on
+a GPU, even with inductor's cache supplying the code).
+
+So a rank keeps what it compiled (:class:`WarmModels`, in the worker's state).
+When the next cell's model is the same (the same classes; their functions' code,
+defaults, closures and the globals they read unchanged; the same submodules,
+parameter names, shapes, dtypes and ``requires_grad``; the same DDP options and
+compile mode), the rank puts the class's earlier function objects back, copies
+the shipped weights and plain attributes into the kept module, and the cell's
+name is bound to the kept, compiled wrapper: nothing is traced again. Otherwise
+the model is wrapped and compiled anew, and the kept one is let go; the reason
+goes into the cell's ``--compile`` note.
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WarmModels", "Adopted"]
+
+_MISSING = object()
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_OWN_STATE = ("_parameters", "_buffers", "_modules")   # compared and copied tensor by tensor
+_ADDED_BY_COMPILE = {"_compiled_call_impl"}   # nn.Module.compile() in place (a module with nothing to train)
+
+
+@dataclass
+class _Kept:
+    wrapper: Any            # what the cell's name was bound to: the compiled DDP wrapper, or the module
+    module: Any             # the user's module inside it
+    options: tuple          # DDP options, compile mode, device
+    param_ids: list         # the module's parameters when the wrapper was built (DDP's buckets hold them)
+    methods: dict           # class -> {attribute: function, staticmethod, classmethod or property}
+
+
+@dataclass
+class Adopted:
+    """A kept model the cell trains again: bind ``wrapper``; ``replaced`` maps ``id`` of each shipped
+    submodule, parameter and buffer to the kept one, so the optimizers can follow."""
+    wrapper: Any
+    module: Any
+    replaced: dict = field(default_factory=dict)
+    copied: set = field(default_factory=set)   # (device, data_ptr) of shipped tensors copied, not shared
+
+
+class WarmModels:
+    """The compiled models a rank keeps between ``--compile`` cells, by the cell's name for them.
+
+    >>> warm = WarmModels()                                      # doctest: +SKIP
+    >>> found = warm.adopt("model", shipped, options)            # an Adopted, or the reason it is not
+    """
+
+    def __init__(self):
+        self.kept: dict[str, _Kept] = {}
+
+    def adopt(self, name: str, module, options: tuple) -> Adopted | str:
+        """The kept model for ``name`` with ``module``'s weights, or why it cannot be (it is let go)."""
+        kept = self.kept.pop(name, None)
+        if kept is None:
+            return "first cell"
+        why = _difference(kept, module, options)
+        if why:
+            return why
+        for cls, methods in kept.methods.items():
+            for attr, value in methods.items():
+                if cls.__dict__.get(attr) is not value:
+                    setattr(cls, attr, value)   # the same code; the compiled code hangs off these objects
+        adopted = Adopted(kept.wrapper, kept.module)
+        _copy_into(kept.module, module, adopted)
+        self.kept[name] = kept
+        return adopted
+
+    def keep(self, name: str, wrapper, module, options: tuple) -> None:
+        """Keep ``wrapper`` (compiled, around ``module``) for the next cell's ``name``."""
+        self.kept[name] = _Kept(wrapper, module, options, [id(p) for p in module.parameters()],
+                                _methods(module))
+
+    def retain_only(self, names) -> None:
+        """Let go of the models no name of this cell asks for (their device memory with them)."""
+        for name in [n for n in self.kept if n not in names]:
+            del self.kept[name]
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+
+def _classes(module) -> list:
+    """The classes in the MRO of the module's submodules' types that travel by value (notebook
+    classes): unpickling gives those new functions. (Library classes are imported, and left alone:
+    torch itself sets attributes on some as it goes.)"""
+    seen: dict = {}
+    for sub in module.modules():
+        for cls in type(sub).__mro__:
+            if _by_value(cls):
+                seen.setdefault(cls, None)
+    return list(seen)
+
+
+def _by_value(cls) -> bool:
+    """Whether ``cls`` cannot be found by its module and name (and so is shipped by value)."""
+    found = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is not cls
+
+
+def _methods(module) -> dict:
+    kinds = (types.FunctionType, staticmethod, classmethod, property)
+    return {cls: {a: v for a, v in vars(cls).items() if isinstance(v, kinds)} for cls in _classes(module)}
+
+
+def _structure(module) -> list:
+    """What DDP and the compiled graphs are built on: submodule types by name; parameters and buffers
+    by name (shared ones once), with dtype, shape and requires_grad."""
+    return ([(n, type(m)) for n, m in module.named_modules()]
+            + [(n, p.dtype, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()]
+            + [(n, b.dtype, tuple(b.shape)) for n, b in module.named_buffers()])
+
+
+def _difference(kept: _Kept, module, options: tuple) -> str:
+    """Why ``module`` cannot train as ``kept`` (empty when it can)."""
+    if options != kept.options:
+        return "other --compile or DDP options"
+    if [id(p) for p in kept.module.parameters()] != kept.param_ids:
+        return "the last cell replaced layers"
+    for (_, mine), (_, theirs) in zip(kept.module.named_modules(), module.named_modules()):
+        if type(mine) is not type(theirs) and type(mine).__qualname__ == type(theirs).__qualname__:
+            return f"{type(theirs).__name__} was defined again"
+    if _structure(module) != _structure(kept.module):
+        return "its layers, shapes or dtypes changed"
+    now = _methods(module)
+    for cls, methods in kept.methods.items():
+        if set(now[cls]) != set(methods) or not all(_same(methods[a], now[cls][a]) for a in methods):
+            return f"{cls.__name__}'s code or a global it reads changed"
+    for (_, mine), (_, theirs) in zip(kept.module.named_modules(), module.named_modules()):
+        if set(vars(mine)) - _ADDED_BY_COMPILE != set(vars(theirs)):
+            return f"the attributes of {type(theirs).__name__} changed"
+        for attr, value in vars(theirs).items():
+            if attr in _OWN_STATE or (_plain(value) and _plain(vars(mine)[attr])):
+                continue   # plain values are copied; dynamo's guards see to any that its code reads
+            if not _same(vars(mine)[attr], value):
+                return f"{type(theirs).__name__}.{attr} changed"
+    return ""
+
+
+def _copy_into(kept, module, adopted: Adopted) -> None:
+    """The shipped module's weights and plain attributes into ``kept``; fills ``adopted``'s
+    ``replaced`` and ``copied``."""
+    import torch
+    replaced = adopted.replaced
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(kept.named_modules(), module.named_modules()):
+            replaced[id(theirs)] = mine
+            for attr, value in vars(theirs).items():
+                if attr not in _OWN_STATE and _plain(value):
+                    mine.__dict__[attr] = value
+            for own, table in (("_parameters", mine._parameters), ("_buffers", mine._buffers)):
+                for key, t in getattr(theirs, own).items():
+                    target = table[key]
+                    if t is None or target is None:   # (both: the structures are the same)
+                        continue
+                    if t.data_ptr() != target.data_ptr():
+                        target.copy_(t)
+                        adopted.copied.add((t.device, t.data_ptr()))
+                    replaced[id(t)] = target
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, (tuple, frozenset)) and all(map(_plain, value)))
+
+
+def _same(a, b, seen: set | None = None) -> bool:
+    """Whether ``a`` and ``b`` behave alike for compiled code: the same object, equal plain values,
+    or functions with the same code, defaults, closure and globals read."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if _plain(a):
+        return bool(a == b)
+    seen = set() if seen is None else seen
+    if (id(a), id(b)) in seen:
+        return True   # a recursive function (or two calling each other): compared already
+    seen.add((id(a), id(b)))
+    if isinstance(a, set):
+        return all(map(_plain, a)) and a == b
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y, seen) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k], seen) for k in a)
+    if isinstance(a, (staticmethod, classmethod)):
+        return _same(a.__func__, b.__func__, seen)
+    if isinstance(a, property):
+        return all(_same(getattr(a, f), getattr(b, f), seen) for f in ("fget", "fset", "fdel"))
+    if isinstance(a, types.FunctionType):
+        return _same_function(a, b, seen)
+    return False   # tensors, modules, other objects: distinct objects are different
+
+
+def _same_function(a, b, seen: set) -> bool:
+    if a.__code__ != b.__code__:
+        return False
+    if not (_same(a.__defaults__, b.__defaults__, seen) and _same(a.__kwdefaults__, b.__kwdefaults__, seen)):
+        return False
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    if len(cells_a) != len(cells_b):
+        return False
+    for x, y in zip(cells_a, cells_b):
+        try:
+            if not _same(x.cell_contents, y.cell_contents, seen):
+                return False
+        except ValueError:   # an empty cell
+            return False
+    return all(_same(a.__globals__.get(n, _MISSING), b.__globals__.get(n, _MISSING), seen)
+               for n in _names_read(a.__code__))
+
+
+def _names_read(code) -> set:
+    """The global (and attribute) names a code object and the code nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
