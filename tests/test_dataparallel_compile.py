@@ -29,20 +29,52 @@ def _first_step(result) -> float:
     return result.per_rank[0]["first_step"]
 
 
-def test_compiled_training_equals_eager_training_and_a_later_cell_starts_warm(shell):
+def _assert_weights(ns, reference):
+    for name, p in ns["model"].state_dict().items():     # no _orig_mod. or module. prefix
+        torch.testing.assert_close(p, reference.state_dict()[name], atol=1e-4, rtol=0)
+
+
+def test_compiled_training_equals_eager_training_and_a_later_cell_reuses_the_compiled_model(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     ns = shell.user_ns
-    ref_model, _, ref_losses = _reference(ns)
+    ref_model, _, _ = _reference(ns)
     _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
-    for name, p in ns["model"].state_dict().items():     # no _orig_mod. or module. prefix
-        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-4, rtol=0)
-    assert "--compile:" in cap.stderr
+    _assert_weights(ns, ref_model)
+    assert "--compile: compiled" in cap.stderr or "--compile: traced again" in cap.stderr, cap.stderr
     first = _first_step(last_result())
-    # The same model again: nothing to compile (reused, or traced and taken from inductor's cache).
+    # The same model again, continuing from the trained weights and the optimizer's momentum:
+    # the ranks train the model they compiled, with nothing traced or compiled again.
+    ref_model, _, _ = _reference(ns)
     _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
-    assert "--compile: compiled" not in cap.stderr and "--compile:" in cap.stderr, cap.stderr
+    assert "--compile: the compiled model was reused, nothing recompiled" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
     again = _first_step(last_result())
     assert again < 2.0 and again < first, (first, again)
+
+
+def test_a_new_model_of_the_same_class_trains_in_the_kept_compiled_model(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    # New weights and a fresh optimizer, the class unchanged: the shipped weights go into the kept model.
+    run_cell(shell, "torch.manual_seed(7); model = Net(); "
+                    "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)")
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    assert "--compile: the compiled model was reused" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
+
+
+def test_a_changed_global_that_forward_reads_is_seen(shell):
+    run_cell(shell, "SCALE = 1.0\n" + SETUP.format(shuffle=False).replace(
+        "torch.tanh(self.hidden(x))", "torch.tanh(self.hidden(x) * SCALE)"))
+    dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    run_cell(shell, "SCALE = 0.25")
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)      # forward reads the notebook's SCALE: 0.25
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    assert "model: Net's code or a global it reads changed" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
 
 
 def test_a_changed_model_class_is_compiled_again_with_a_note(shell):
@@ -52,8 +84,11 @@ def test_a_changed_model_class_is_compiled_again_with_a_note(shell):
     scale = 1 + random.random() / 1000
     run_cell(shell, SETUP.format(shuffle=False).replace("torch.tanh(self.hidden(x))",
                                                         f"torch.tanh(self.hidden(x) * {scale!r})"))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
     _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
-    assert "--compile: compiled" in cap.stderr, cap.stderr
+    assert "--compile: compiled" in cap.stderr and "model: Net was defined again" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
 
 
 def test_a_compile_error_is_a_worker_error_at_the_cells_line(shell):

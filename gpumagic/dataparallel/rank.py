@@ -28,6 +28,7 @@ from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
+from .warm import Adopted, WarmModels
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def rank_main(ctx, meta: dict, data):
     except BaseException:
         store.clear()  # tensors handed to the failed cell may be half-updated
         forget_kept(ctx)
+        ctx.state.pop("warm", None)   # and so may a kept compiled model's weights and DDP state
         raise
 
 
@@ -74,11 +76,16 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     seed_all(meta["seed"])
     launch = meta.get("launch")
     opts = {name: ns[name] for name in meta["optimizers"]}
+    warm = _warm_models(ctx, meta)
+    compiled_anew: dict = {}   # --compile: the models compiled anew this cell, with why
     if fsdp:
         inner = shard_modules(ctx, ns, meta, device)    # the optimizers follow their parameters into shards
-    else:
+    elif launch:
         # Launch mode: the cell's framework wraps and moves the modules; they train in place.
-        inner = {name: ns[name] for name in meta["modules"]} if launch else _wrap_modules(ns, meta, device)
+        inner = {name: ns[name] for name in meta["modules"]}
+    else:
+        inner, compiled_anew, tensors = _wrap_modules(ns, meta, device, warm, tensors)
+    if not fsdp:
         # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
         for opt in opts.values():
             opt.load_state_dict(opt.state_dict())
@@ -88,7 +95,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     if not launch:
         _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
-    compiling = bool(meta["ddp"].get("compile"))
+    compiling = warm is not None and not launch and not fsdp
     counts_before = _compile_counts() if compiling else (0, 0)
     gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
     if launch:
@@ -108,7 +115,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     else:
         value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
     if compiling and ctx.rank == 0:
-        ctx.send({"kind": "note", "text": _compile_note(counts_before, _compile_counts(), stats)})
+        ctx.send({"kind": "note", "text": _compile_note(counts_before, _compile_counts(), stats, compiled_anew)})
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
     for module in inner.values():
         for p in module.parameters():
@@ -177,8 +184,25 @@ def _prepare_namespace(ns: dict, meta: dict, device) -> None:
         ns[meta["placement"]] = Placement(device)
 
 
-def _wrap_modules(ns: dict, meta: dict, device) -> dict:
-    """Modules on the rank's device, wrapped in DDP, the cell's name bound to the wrapper."""
+def _warm_models(ctx, meta: dict) -> WarmModels | None:
+    """This rank's kept compiled models (``--compile``), holding only those this cell may train;
+    None without ``--compile``, when none are kept."""
+    if not meta["ddp"].get("compile"):
+        ctx.state.pop("warm", None)
+        return None
+    warm = ctx.state.setdefault("warm", WarmModels())
+    warm.retain_only(meta["modules"])
+    return warm
+
+
+def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors: list):
+    """Modules on the rank's device, wrapped in DDP, the cell's name bound to the wrapper.
+
+    With ``--compile``, a model the rank compiled in an earlier cell is trained again when the
+    shipped one is the same (:mod:`.warm`). Returns the user's modules by name, why each
+    ``--compile`` model was compiled anew (name: reason), and ``tensors`` less the shipped
+    copies that went into kept models.
+    """
     ddp_kwargs: dict = {"gradient_as_bucket_view": True,
                   "static_graph": bool(meta["ddp"]["static_graph"]),
                   "find_unused_parameters": bool(meta["ddp"]["find_unused"])}
@@ -196,16 +220,48 @@ def _wrap_modules(ns: dict, meta: dict, device) -> dict:
         # state_dict its keys. Compiling the DDP wrapper lets dynamo split the graph at DDP's
         # gradient buckets, so communication still overlaps the backward pass.
         after_build.append(lambda wrapper: wrapper.compile(mode=None if mode == "default" else mode))
-    inner = {}
+    options = (tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(ddp_kwargs.items())),
+               meta["ddp"].get("grad_dtype", "fp32"), mode, str(device))
+    inner: dict = {}
+    anew: dict = {}
+    replaced: dict = {}
+    copied: set = set()
     for name in meta["modules"]:
         module = ns[name]
+        if warm is not None:
+            found = warm.adopt(name, module, options)
+            if isinstance(found, Adopted):
+                ns[name], inner[name] = found.wrapper, found.module
+                replaced.update(found.replaced)
+                copied |= found.copied
+                continue
+            anew[name] = found
         module.to(device)
         inner[name] = module
         if any(p.requires_grad for p in module.parameters()):
             ns[name] = wrap_in_ddp(module, ddp_kwargs, after_build)
         elif mode:
             module.compile(mode=None if mode == "default" else mode)
-    return inner
+        if warm is not None:
+            warm.keep(name, ns[name], module, options)
+    if replaced:
+        _follow_kept(ns, replaced)
+        tensors = [t for t in tensors if (t.device, t.data_ptr()) not in copied]
+    return inner, anew, tensors
+
+
+def _follow_kept(ns: dict, replaced: dict) -> None:
+    """Optimizers and other names of the shipped modules' parts point at the kept models' instead."""
+    from collections import defaultdict
+
+    import torch
+    for name, value in list(ns.items()):
+        if id(value) in replaced:
+            ns[name] = replaced[id(value)]
+        elif isinstance(value, torch.optim.Optimizer):
+            for group in value.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            value.state = defaultdict(dict, {replaced.get(id(p), p): s for p, s in value.state.items()})
 
 
 def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict, notify) -> None:
@@ -412,16 +468,17 @@ def _compile_counts() -> tuple[int, int]:
             int(inductor["fxgraph_cache_miss"]) + int(inductor["fxgraph_cache_bypass"]))
 
 
-def _compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict) -> str:
-    """One line on what ``--compile`` cost this cell: compiled, taken from the cache, or reused."""
+def _compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict, anew: dict) -> str:
+    """One line on what ``--compile`` cost this cell: compiled, taken from the cache, or reused;
+    ``anew``: the models compiled anew, with why (:mod:`.warm`)."""
     traced, compiled = after[0] - before[0], after[1] - before[1]
     first = stats.get("first_step")
     when = f"; first optimizer step {first:.1f} s after the cell started" if first is not None else ""
+    why = "; ".join(f"{name}: {reason}" for name, reason in anew.items()) or "new input shapes"
     if compiled:
-        return (f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} (first cell, changed code "
-                f"or new shapes){when}")
+        return f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} ({why}){when}"
     if traced:
-        return f"--compile: traced again, compiled code from inductor's cache{when}"
+        return f"--compile: traced again ({why}), compiled code from inductor's cache{when}"
     return f"--compile: the compiled model was reused, nothing recompiled{when}"
 
 

@@ -1,0 +1,127 @@
+"""gpumagic.dataparallel.warm: when a rank may train the model it compiled in an earlier cell.
+
+A model is shipped here as to a rank: cloudpickle, in this process, hands back the
+same class object for a class it has seen, with fresh copies of its functions.
+"""
+from __future__ import annotations
+
+import cloudpickle
+import torch
+from torch import nn
+
+from gpumagic.dataparallel.warm import Adopted, WarmModels, _same
+
+OPTIONS = (("gradient_as_bucket_view", True),), "fp32", "default", "cpu"
+
+
+def _net_class(width: int = 4):
+    class Net(nn.Module):   # a local class: not importable by name, so cloudpickle ships it by value
+        def __init__(self):
+            super().__init__()
+            self.hidden = nn.Linear(3, width)
+            self.out = nn.Linear(width, 1)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.hidden(x)))
+    return Net
+
+
+def _ship(obj):
+    return cloudpickle.loads(cloudpickle.dumps(obj))
+
+
+def _function(source: str, **names):
+    ns = dict(names)
+    exec(source, ns)
+    return ns["f"]
+
+
+def test_the_same_model_shipped_again_is_adopted_with_the_functions_it_was_compiled_with():
+    model = _net_class()()
+    first = _ship(model)
+    forward = type(first).forward
+    warm = WarmModels()
+    warm.keep("model", first, first, OPTIONS)
+    with torch.no_grad():
+        model.hidden.weight.mul_(2)        # changed in the notebook between cells
+        model.out.training = False
+    again = _ship(model)
+    assert type(again) is type(first) and type(again).forward is not forward   # what a rank sees
+    found = warm.adopt("model", again, OPTIONS)
+    assert isinstance(found, Adopted) and found.module is first and found.wrapper is first
+    assert type(first).forward is forward                # compiled code hangs off this function
+    assert torch.equal(first.hidden.weight, model.hidden.weight)   # the shipped weights, copied in
+    assert first.out.training is False                   # and its plain attributes
+    assert found.replaced[id(again.hidden.weight)] is first.hidden.weight
+    assert found.replaced[id(again.out)] is first.out
+    assert (again.hidden.weight.device, again.hidden.weight.data_ptr()) in found.copied
+
+
+def test_a_model_that_differs_is_not_adopted_and_says_why():
+    model = _net_class()()
+    warm = WarmModels()
+    kept = _ship(model)
+    warm.keep("model", kept, kept, OPTIONS)
+    assert warm.adopt("model", _ship(model), OPTIONS[:2] + ("reduce-overhead", "cpu")) == \
+        "other --compile or DDP options"
+    assert warm.adopt("model", _ship(model), OPTIONS) == "first cell"     # the mismatch let it go
+    kept = _ship(model)
+    warm.keep("model", kept, kept, OPTIONS)
+    assert warm.adopt("model", _ship(_net_class()()), OPTIONS) == "Net was defined again"
+    warm.keep("model", kept, kept, OPTIONS)
+    model.out = nn.Linear(4, 2)
+    assert warm.adopt("model", _ship(model), OPTIONS) == "its layers, shapes or dtypes changed"
+    model = _net_class()()
+    kept = _ship(model)
+    warm.keep("model", kept, kept, OPTIONS)
+    model.hidden = nn.Linear(3, 4).double()
+    model.out = nn.Linear(4, 1).double()
+    assert warm.adopt("model", _ship(model), OPTIONS) == "its layers, shapes or dtypes changed"
+
+
+def test_a_layer_the_cell_replaced_in_the_kept_model_is_not_trained_again():
+    model = _net_class()()
+    kept = _ship(model)
+    warm = WarmModels()
+    warm.keep("model", kept, kept, OPTIONS)
+    kept.out = nn.Linear(4, 1)      # DDP was built over the old layer's parameters
+    assert warm.adopt("model", _ship(model), OPTIONS) == "the last cell replaced layers"
+
+
+def test_retain_only_lets_go_of_models_the_cell_does_not_train():
+    model = _net_class()()
+    warm = WarmModels()
+    warm.keep("a", model, model, OPTIONS)
+    warm.keep("b", model, model, OPTIONS)
+    warm.retain_only(["b"])
+    assert list(warm.kept) == ["b"]
+
+
+def test_functions_are_the_same_when_their_code_defaults_closures_and_globals_read_are():
+    source = "def f(x, k=2):\n    return helper(x) * SCALE + k\n"
+    helper = _function("def f(x):\n    return x + 1\n")
+    same_helper = _function("def f(x):\n    return x + 1\n")
+    other_helper = _function("def f(x):\n    return x + 2\n")
+    base = _function(source, SCALE=1.0, helper=helper)
+    assert _same(base, _function(source, SCALE=1.0, helper=same_helper))
+    assert not _same(base, _function(source, SCALE=0.5, helper=helper))        # a global it reads
+    assert not _same(base, _function(source, SCALE=1.0, helper=other_helper))  # a function it calls
+    assert not _same(base, _function(source.replace("k=2", "k=3"), SCALE=1.0, helper=helper))
+    assert not _same(base, _function(source.replace("+ k", "- k"), SCALE=1.0, helper=helper))
+    assert _same(base, _function(source, SCALE=1.0, helper=helper, unrelated=object()))
+    # names read inside nested code (a comprehension, a lambda) count too
+    nested = "def f(xs):\n    return [g(x) for x in xs]\n"
+    assert not _same(_function(nested, g=helper), _function(nested, g=other_helper))
+
+
+def test_recursive_functions_compare_without_looping():
+    source = "def f(n):\n    return 1 if n < 2 else n * f(n - 1)\n"
+    a, b = _function(source), _function(source)
+    assert _same(a, b)
+
+
+def test_objects_other_than_plain_values_and_functions_must_be_the_same_object():
+    t = torch.zeros(2)
+    assert _same(t, t) and not _same(t, torch.zeros(2))
+    assert _same({"a": (1, 2.0)}, {"a": (1, 2.0)}) and not _same({"a": 1}, {"a": 2})
+    assert _same({1, 2}, {1, 2}) and not _same([1], (1,))
