@@ -203,7 +203,7 @@ def in_process(kind, quick, device, batch, warmup, steps, seconds, chunk, wrap=N
 
 # ------------------------------------------------------------------ hand-written DDP (torchrun-style)
 
-def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_path, compiled=False):
+def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_path, compiled=None):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -220,8 +220,9 @@ def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_
     gbatch, shape, classes = shapes(kind, quick)
     device = f"cuda:{rank}" if cuda else "cpu"
     model = DDP(make_model(kind, quick).to(device), device_ids=[rank] if cuda else None)
-    if compiled:
-        model = torch.compile(model)     # as torch's DDP docs say: wrap first, then compile
+    if compiled:   # a torch.compile mode
+        # as torch's DDP docs say: wrap first, then compile
+        model = torch.compile(model, mode=None if compiled == "default" else compiled)
     ds = SyntheticSet((warmup + steps) * gbatch, shape, classes)
     loader = DataLoader(ds, batch_size=gbatch // world, sampler=DistributedSampler(ds, shuffle=False),
                         collate_fn=passthrough)
@@ -235,7 +236,7 @@ def hand_ddp_worker(rank, world, kind, quick, rendezvous, warmup, steps, result_
     dist.destroy_process_group()
 
 
-def hand_ddp(kind, quick, world, warmup, steps, compiled=False, limit=None) -> dict:
+def hand_ddp(kind, quick, world, warmup, steps, compiled=None, limit=None) -> dict:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:   # mkdtemp: this user's alone, and new each time
         path = os.path.join(tmp, "result.json")
@@ -311,6 +312,8 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="resnet50,mlp,transformer")
     parser.add_argument("--seconds", type=float, default=None, help="timed window per column (default 4; quick 1)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="with --compile: also the reduce-overhead (CUDA graphs) columns on GPUs")
     parser.add_argument("--compile", action="store_true",
                         help="also the compiled columns: 1 GPU with torch.compile, hand-written DDP with "
                              "torch.compile, %%%%dataparallel --compile (first and later cell), and "
@@ -446,7 +449,7 @@ def main(argv=None) -> None:
                                                       wrap=torch.compile))
             print(f"{name}: 1 GPU compiled {one_compiled}", flush=True)
             attempt(results, "DDP (hand-written) + torch.compile",
-                    lambda: hand_ddp(kind, quick, world, warmup, steps, compiled=True, limit=300))
+                    lambda: hand_ddp(kind, quick, world, warmup, steps, compiled="default", limit=300))
 
             def first_step_row(which: str) -> None:
                 """From the magic's start: shipping, starting the ranks, compiling, the first step."""
@@ -464,6 +467,15 @@ def main(argv=None) -> None:
             attempt(results, "%%dataparallel --compile", ours_compiled)
             attempt(results, "%%dataparallel --compile --grad-dtype bf16",
                     lambda: magic_with("--compile --grad-dtype bf16"))
+            if args.cudagraphs and not quick:
+                # CUDA graphs: one launch for a whole graph, for steps bound by kernel launches
+                attempt(results, "1 GPU, torch.compile reduce-overhead",
+                        lambda: in_process(kind, quick, device, gbatch, warmup, 10**9, seconds, chunk,
+                                           wrap=lambda m: torch.compile(m, mode="reduce-overhead")))
+                attempt(results, "DDP (hand-written) + torch.compile reduce-overhead",
+                        lambda: hand_ddp(kind, quick, world, warmup, steps, compiled="reduce-overhead", limit=300))
+                attempt(results, "%%dataparallel --compile reduce-overhead",
+                        lambda: magic_with("--compile reduce-overhead"))
 
         def with_dp():
             notebook_setup(shell, kind, quick, device, 10**8, warmup, steps, seconds, chunk)
