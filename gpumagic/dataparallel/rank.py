@@ -224,8 +224,9 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
                meta["ddp"].get("grad_dtype", "fp32"), mode, str(device))
     inner: dict = {}
     anew: dict = {}
-    replaced: dict = {}
+    replaced: dict = {}   # by id: the shipped objects stay alive (in `shipped`) until it is used
     copied: set = set()
+    shipped = []
     for name in meta["modules"]:
         module = ns[name]
         if warm is not None:
@@ -234,6 +235,7 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
                 ns[name], inner[name] = found.wrapper, found.module
                 replaced.update(found.replaced)
                 copied |= found.copied
+                shipped.append(module)
                 continue
             anew[name] = found
         module.to(device)
@@ -247,6 +249,7 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
     if replaced:
         _follow_kept(ns, replaced)
         tensors = [t for t in tensors if (t.device, t.data_ptr()) not in copied]
+    del shipped
     return inner, anew, tensors
 
 
