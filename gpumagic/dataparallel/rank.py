@@ -28,7 +28,7 @@ from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
-from .warm import Adopted, WarmModels
+from .warm import Adopted, WarmModels, compile_counts, compile_note, follow_kept
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
     compiling = warm is not None and not launch and not fsdp
-    counts_before = _compile_counts() if compiling else (0, 0)
+    counts_before = compile_counts() if compiling else (0, 0)
     gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
@@ -115,7 +115,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     else:
         value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
     if compiling and ctx.rank == 0:
-        ctx.send({"kind": "note", "text": _compile_note(counts_before, _compile_counts(), stats, compiled_anew)})
+        ctx.send({"kind": "note", "text": compile_note(counts_before, compile_counts(), stats, compiled_anew)})
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
     for module in inner.values():
         for p in module.parameters():
@@ -247,24 +247,10 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
         if warm is not None:
             warm.keep(name, ns[name], module, options)
     if replaced:
-        _follow_kept(ns, replaced)
+        follow_kept(ns, replaced)
         tensors = [t for t in tensors if (t.device, t.data_ptr()) not in copied]
     del shipped
     return inner, anew, tensors
-
-
-def _follow_kept(ns: dict, replaced: dict) -> None:
-    """Optimizers and other names of the shipped modules' parts point at the kept models' instead."""
-    from collections import defaultdict
-
-    import torch
-    for name, value in list(ns.items()):
-        if id(value) in replaced:
-            ns[name] = replaced[id(value)]
-        elif isinstance(value, torch.optim.Optimizer):
-            for group in value.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-            value.state = defaultdict(dict, {replaced.get(id(p), p): s for p, s in value.state.items()})
 
 
 def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict, notify) -> None:
@@ -461,28 +447,6 @@ def _apply_flags(flags: dict) -> None:
     torch.backends.cudnn.deterministic = flags.get("cudnn_deterministic", False)
     torch.backends.cudnn.allow_tf32 = flags.get("cudnn_allow_tf32", True)
     torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
-
-
-def _compile_counts() -> tuple[int, int]:
-    """(graphs dynamo traced, graphs inductor compiled rather than took from its cache) so far."""
-    from torch._dynamo.utils import counters
-    inductor = counters["inductor"]
-    return (int(counters["stats"]["unique_graphs"]),
-            int(inductor["fxgraph_cache_miss"]) + int(inductor["fxgraph_cache_bypass"]))
-
-
-def _compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict, anew: dict) -> str:
-    """One line on what ``--compile`` cost this cell: compiled, taken from the cache, or reused;
-    ``anew``: the models compiled anew, with why (:mod:`.warm`)."""
-    traced, compiled = after[0] - before[0], after[1] - before[1]
-    first = stats.get("first_step")
-    when = f"; first optimizer step {first:.1f} s after the cell started" if first is not None else ""
-    why = "; ".join(f"{name}: {reason}" for name, reason in anew.items()) or "new input shapes"
-    if compiled:
-        return f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} ({why}){when}"
-    if traced:
-        return f"--compile: traced again ({why}), compiled code from inductor's cache{when}"
-    return f"--compile: the compiled model was reused, nothing recompiled{when}"
 
 
 class TrainingPassSampler(ShardedBatchSampler):

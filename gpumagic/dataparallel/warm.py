@@ -26,7 +26,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WarmModels", "Adopted"]
+__all__ = ["WarmModels", "Adopted", "follow_kept", "compile_counts", "compile_note"]
 
 _MISSING = object()
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
@@ -92,6 +92,42 @@ class WarmModels:
 
     def clear(self) -> None:
         self.kept.clear()
+
+
+def follow_kept(ns: dict, replaced: dict) -> None:
+    """Optimizers and other names of the shipped modules' parts point at the kept models' instead."""
+    from collections import defaultdict
+
+    import torch
+    for name, value in list(ns.items()):
+        if id(value) in replaced:
+            ns[name] = replaced[id(value)]
+        elif isinstance(value, torch.optim.Optimizer):
+            for group in value.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            value.state = defaultdict(dict, {replaced.get(id(p), p): s for p, s in value.state.items()})
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo traced, graphs inductor compiled rather than took from its cache) so far."""
+    from torch._dynamo.utils import counters
+    inductor = counters["inductor"]
+    return (int(counters["stats"]["unique_graphs"]),
+            int(inductor["fxgraph_cache_miss"]) + int(inductor["fxgraph_cache_bypass"]))
+
+
+def compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict, anew: dict) -> str:
+    """One line on what ``--compile`` cost this cell: compiled, taken from the cache, or reused;
+    ``anew``: the models compiled anew, with why (what :meth:`WarmModels.adopt` answered)."""
+    traced, compiled = after[0] - before[0], after[1] - before[1]
+    first = stats.get("first_step")
+    when = f"; first optimizer step {first:.1f} s after the cell started" if first is not None else ""
+    why = "; ".join(f"{name}: {reason}" for name, reason in anew.items()) or "new input shapes"
+    if compiled:
+        return f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} ({why}){when}"
+    if traced:
+        return f"--compile: traced again ({why}), compiled code from inductor's cache{when}"
+    return f"--compile: the compiled model was reused, nothing recompiled{when}"
 
 
 def _classes(module) -> list:
