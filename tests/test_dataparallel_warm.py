@@ -120,8 +120,10 @@ def test_recursive_functions_compare_without_looping():
     assert _same(a, b)
 
 
-def test_objects_other_than_plain_values_and_functions_must_be_the_same_object():
+def test_tensors_compare_by_value_and_other_objects_must_be_the_same_object():
     t = torch.zeros(2)
-    assert _same(t, t) and not _same(t, torch.zeros(2))
+    assert _same(t, torch.zeros(2)) and not _same(t, torch.ones(2)) and not _same(t, torch.zeros(3))
+    assert not _same(t, torch.zeros(2, dtype=torch.float64))
+    assert not _same(nn.Linear(1, 1), nn.Linear(1, 1))
     assert _same({"a": (1, 2.0)}, {"a": (1, 2.0)}) and not _same({"a": 1}, {"a": 2})
     assert _same({1, 2}, {1, 2}) and not _same([1], (1,))

@@ -216,8 +216,8 @@ def _plain(value) -> bool:
 
 
 def _same(a, b, seen: set | None = None) -> bool:
-    """Whether ``a`` and ``b`` behave alike for compiled code: the same object, equal plain values,
-    or functions with the same code, defaults, closure and globals read."""
+    """Whether ``a`` and ``b`` behave alike for compiled code: the same object, equal plain values
+    or tensors, or functions with the same code, defaults, closure and globals read."""
     if a is b:
         return True
     if type(a) is not type(b):
@@ -240,7 +240,14 @@ def _same(a, b, seen: set | None = None) -> bool:
         return all(_same(getattr(a, f), getattr(b, f), seen) for f in ("fget", "fset", "fdel"))
     if isinstance(a, types.FunctionType):
         return _same_function(a, b, seen)
-    return False   # tensors, modules, other objects: distinct objects are different
+    if _is_tensor(a):   # a constant the code reads (a mean, a mask): the same values
+        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool((a == b).all())
+    return False   # modules and other objects: distinct objects are different
+
+
+def _is_tensor(value) -> bool:
+    import torch
+    return isinstance(value, torch.Tensor)
 
 
 def _same_function(a, b, seen: set) -> bool:
