@@ -381,6 +381,7 @@ def test_a_second_cell_reuses_the_ranks_and_the_tensors_they_hold(shell, hand, l
     ranks = clustermod.current_cluster()
     assert first.shipped_bytes >= 512 * 512 * 4
     s1 = shell.user_ns["s"]
+    recorded = set(ranks.client.hub_history())   # the controller's task records
     t0 = time.monotonic()
     cell(shell, line, body)
     took = time.monotonic() - t0
@@ -393,6 +394,8 @@ def test_a_second_cell_reuses_the_ranks_and_the_tensors_they_hold(shell, hand, l
     # and what they kept is the trained weight: one more step of -lr * 4 on each of 512*512 weights
     assert shell.user_ns["s"] == pytest.approx(s1 - 0.01 * 4 * 512 * 512, rel=1e-4)
     assert shell.user_ns["s"] == pytest.approx(float(shell.user_ns["big"].weight.detach().sum()), rel=1e-6)
+    # the controller keeps no record of the cell's tasks, and so none of the tensors they carried
+    assert set(ranks.client.hub_history()) <= recorded and not ranks.client.results
 
 
 def test_more_ranks_than_engines_is_refused_and_the_ranks_stay(shell, setup, hand, line):

@@ -48,6 +48,7 @@ __all__ = ["ClusterRanks", "EngineRank", "call_engine"]
 ENGINE = "gpumagic.dataparallel.engine"
 INTERRUPT_GRACE = 3.0       # seconds engines get to end a cell after SIGINT before they are stopped
 CONTROLLER_CHECK = 2.0      # seconds between checks that the controller is still there
+BIG_TASK_BYTES = 64 << 20   # a cell that moved this much frees its tasks' buffers at once (see _forget)
 
 
 @dataclass
@@ -125,11 +126,34 @@ class ClusterRanks:
         except BaseException:
             self._stop_busy(futures, "interrupted")
             raise
+        finally:
+            self._forget(futures, getattr(bulk, "nbytes", 0) or 0)
         if errors:
             if pending or not same_failure(errors, self.world_size):
                 self._stop_busy(futures, "waiting for the failed rank")
             raise primary_error(errors)
         return results
+
+    def _forget(self, futures, bulk_bytes: int) -> None:
+        """The controller keeps every task's request and result (the cell's tensors, the trained
+        weights) in its database until it culls them (about 1 GB by default): the finished ones
+        are dropped now, so it holds no model between cells."""
+        import gc
+        done = [f for f in futures if f.ready()]
+        if not done:
+            return
+        try:
+            self.client.purge_hub_results(jobs=done)
+            self.client.purge_local_results(jobs=done)
+        except Exception:  # a controller that is gone keeps nothing
+            logger.debug("purging the cell's tasks from the controller failed", exc_info=True)
+        # Forgotten, the tasks' futures are garbage in reference cycles that still hold the buffers
+        # (the trained weights): free them now rather than at some later collection, which may come
+        # cells later, after several models' worth of memory.
+        returned = sum(_nbytes(f) for f in done)
+        del done, futures
+        if returned + bulk_bytes >= BIG_TASK_BYTES:
+            gc.collect()
 
     def _collect(self, futures, on_output, on_message, on_tick, grace):
         seen_out: dict = {}
@@ -278,6 +302,16 @@ def call_engine(name: str, *args):
     """Runs in an engine: ``gpumagic.dataparallel.engine.<name>(*args)``."""
     import importlib
     return getattr(importlib.import_module(ENGINE), name)(*args)
+
+
+def _nbytes(future) -> int:
+    """The size of the buffer a finished ``run_task`` brought back (0 for an error)."""
+    try:
+        outcome = future.get(0)
+    except Exception:  # noqa: BLE001 - a failed task brought no buffer
+        return 0
+    buffer = outcome[2] if isinstance(outcome, tuple) and len(outcome) == 3 else None
+    return int(getattr(buffer, "nbytes", 0) or 0)
 
 
 def _as_tensor(buffer):
