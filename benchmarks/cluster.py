@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         shell.run_line_magic("dataparallel", "stop")
         shell.run_cell(SETUP.format(width=width, layers=args.layers, device=device)).raise_error()
         shell.run_line_magic("dataparallel", f"cluster start --engines local -n {engines}")
-        run_cells(shell, "--cluster", device, f"--cluster ({engines} local engines)", rows, args.later)
+        run_cells(shell, "--cluster", device, f"--cluster ({engines} local engine{'s' if engines != 1 else ''})", rows, args.later)
     finally:
         shell.run_line_magic("dataparallel", "cluster stop")
         shell.run_line_magic("dataparallel", "stop")
