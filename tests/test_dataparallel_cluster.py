@@ -398,6 +398,16 @@ def test_a_second_cell_reuses_the_ranks_and_the_tensors_they_hold(shell, hand, l
     assert set(ranks.client.hub_history()) <= recorded and not ranks.client.results
 
 
+def test_compiled_models_stay_warm_on_the_engines(shell, setup, hand, line):
+    ns = setup
+    ref_model, ref_opt = reference(ns, epochs=4)     # two cells of two epochs, momentum carried over
+    _, cap = cell(shell, f"{line} --compile", TRAIN)
+    assert "--compile: compiled" in cap.stderr or "--compile: traced again" in cap.stderr, cap.stderr
+    _, cap = cell(shell, f"{line} --compile", TRAIN)
+    assert "--compile: the compiled model was reused, nothing recompiled" in cap.stderr, cap.stderr
+    assert_trained_like(ns, ref_model, ref_opt, tol=1e-4)
+
+
 def test_more_ranks_than_engines_is_refused_and_the_ranks_stay(shell, setup, hand, line):
     cell(shell, line, "a = model(X).shape[0]\n")
     ranks = clustermod.current_cluster()
