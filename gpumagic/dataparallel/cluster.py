@@ -32,6 +32,7 @@ In a notebook::
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -118,6 +119,8 @@ class ClusterRanks:
         self.tasks_run += 1
         try:
             results, errors, pending = self._collect(futures, on_output, on_message, on_tick, grace)
+            if errors and (pending or not same_failure(errors, self.world_size)):
+                self._stop_busy(futures, "waiting for the failed rank")
         except WorkerDied as exc:
             if exc.exc_type != "ControllerLost":
                 self._stop_busy(futures, "interrupted")
@@ -127,33 +130,31 @@ class ClusterRanks:
             self._stop_busy(futures, "interrupted")
             raise
         finally:
-            self._forget(futures, getattr(bulk, "nbytes", 0) or 0)
+            moved = self._forget(futures) + (getattr(bulk, "nbytes", 0) or 0)
+            # Forgotten, the tasks' futures are garbage in reference cycles that still hold their
+            # buffers (the cell's tensors, the trained weights): with this frame's references gone,
+            # free them now rather than at some later collection, which may come cells later, after
+            # several models' worth of memory. (The results keep what the kernel loads.)
+            del futures, bulk, data
+            if moved >= BIG_TASK_BYTES:
+                gc.collect()
         if errors:
-            if pending or not same_failure(errors, self.world_size):
-                self._stop_busy(futures, "waiting for the failed rank")
             raise primary_error(errors)
         return results
 
-    def _forget(self, futures, bulk_bytes: int) -> None:
+    def _forget(self, futures) -> int:
         """The controller keeps every task's request and result (the cell's tensors, the trained
         weights) in its database until it culls them (about 1 GB by default): the finished ones
-        are dropped now, so it holds no model between cells."""
-        import gc
+        are dropped now, so it holds no model between cells. Returns the bytes they brought back."""
         done = [f for f in futures if f.ready()]
         if not done:
-            return
+            return 0
         try:
             self.client.purge_hub_results(jobs=done)
             self.client.purge_local_results(jobs=done)
         except Exception:  # a controller that is gone keeps nothing
             logger.debug("purging the cell's tasks from the controller failed", exc_info=True)
-        # Forgotten, the tasks' futures are garbage in reference cycles that still hold the buffers
-        # (the trained weights): free them now rather than at some later collection, which may come
-        # cells later, after several models' worth of memory.
-        returned = sum(_nbytes(f) for f in done)
-        del done, futures
-        if returned + bulk_bytes >= BIG_TASK_BYTES:
-            gc.collect()
+        return sum(_nbytes(f) for f in done)
 
     def _collect(self, futures, on_output, on_message, on_tick, grace):
         seen_out: dict = {}
