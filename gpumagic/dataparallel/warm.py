@@ -90,9 +90,6 @@ class WarmModels:
         for name in [n for n in self.kept if n not in names]:
             del self.kept[name]
 
-    def clear(self) -> None:
-        self.kept.clear()
-
 
 def follow_kept(ns: dict, replaced: dict) -> None:
     """Optimizers and other names of the shipped modules' parts point at the kept models' instead."""
