@@ -9,7 +9,7 @@ import cloudpickle
 import torch
 from torch import nn
 
-from gpumagic.dataparallel.warm import Adopted, WarmModels, _same
+from gpumagic.dataparallel.warm import Adopted, WarmModels, _same, follow_kept
 
 OPTIONS = (("gradient_as_bucket_view", True),), "fp32", "default", "cpu"
 
@@ -127,3 +127,29 @@ def test_tensors_compare_by_value_and_other_objects_must_be_the_same_object():
     assert not _same(nn.Linear(1, 1), nn.Linear(1, 1))
     assert _same({"a": (1, 2.0)}, {"a": (1, 2.0)}) and not _same({"a": 1}, {"a": 2})
     assert _same({1, 2}, {1, 2}) and not _same([1], (1,))
+
+
+def test_what_refers_to_the_shipped_model_follows_the_kept_one():
+    model = _net_class()()
+    kept = _ship(model)
+    warm = WarmModels()
+    warm.keep("model", kept, kept, OPTIONS)
+
+    class Averaged(nn.Module):   # as torch.optim.swa_utils.AveragedModel holds its model
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    shipped = _ship(model)
+    opt = torch.optim.SGD(shipped.parameters(), lr=0.1, momentum=0.9)
+    opt.state[shipped.out.bias]["momentum_buffer"] = torch.ones(1)
+    ns = {"model": shipped, "head": shipped.out, "ema": Averaged(shipped), "models": [shipped],
+          "pair": (shipped, 1), "by_name": {"m": shipped}, "opt": opt}
+    found = warm.adopt("model", shipped, OPTIONS)
+    assert isinstance(found, Adopted)
+    ns["model"] = found.wrapper
+    follow_kept(ns, found.replaced)
+    assert ns["head"] is kept.out and ns["ema"].module is kept
+    assert ns["models"][0] is kept and ns["pair"] == (kept, 1) and ns["by_name"]["m"] is kept
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in kept.parameters()]
+    assert torch.equal(opt.state[kept.out.bias]["momentum_buffer"], torch.ones(1))

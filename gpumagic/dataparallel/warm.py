@@ -92,17 +92,35 @@ class WarmModels:
 
 
 def follow_kept(ns: dict, replaced: dict) -> None:
-    """Optimizers and other names of the shipped modules' parts point at the kept models' instead."""
+    """What refers to the shipped modules' parts refers to the kept models' instead: other names
+    (an alias, a submodule), optimizers, modules holding one (``AveragedModel(model)``), and the
+    lists, tuples and dicts the notebook keeps them in."""
     from collections import defaultdict
 
     import torch
+
+    def swap(value):
+        return replaced.get(id(value), value)
+
     for name, value in list(ns.items()):
         if id(value) in replaced:
             ns[name] = replaced[id(value)]
         elif isinstance(value, torch.optim.Optimizer):
             for group in value.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-            value.state = defaultdict(dict, {replaced.get(id(p), p): s for p, s in value.state.items()})
+                group["params"] = [swap(p) for p in group["params"]]
+            value.state = defaultdict(dict, {swap(p): s for p, s in value.state.items()})
+        elif isinstance(value, torch.nn.Module):
+            for sub in list(value.modules()):
+                for table in (sub._modules, sub._parameters, sub._buffers):
+                    for key, item in table.items():
+                        table[key] = swap(item)
+        elif isinstance(value, list):
+            value[:] = [swap(v) for v in value]
+        elif isinstance(value, tuple) and any(id(v) in replaced for v in value):
+            ns[name] = type(value)(*map(swap, value)) if hasattr(value, "_fields") else tuple(map(swap, value))
+        elif isinstance(value, dict) and not name.startswith("__"):
+            for key, item in value.items():
+                value[key] = swap(item)
 
 
 def compile_counts() -> tuple[int, int]:
