@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import _common  # noqa: F401 - puts the checkout first on sys.path
+import _common  # puts the checkout first on sys.path
 
 SETUP = """
 import torch
@@ -55,8 +55,9 @@ def run_cells(shell, line: str, device: str, label: str, rows: list, later: int)
     later ones (medians, the rate's range in brackets)."""
     import statistics
 
-    from gpumagic.dataparallel.run import last_result
     from IPython.utils.capture import capture_output
+
+    from gpumagic.dataparallel.run import last_result
     seen = []
     for _ in range(1 + later):
         with capture_output():
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
         shell.run_line_magic("dataparallel", "stop")
         shell.run_cell(SETUP.format(width=width, layers=args.layers, device=device)).raise_error()
         shell.run_line_magic("dataparallel", f"cluster start --engines local -n {engines}")
-        run_cells(shell, "--cluster", device, f"--cluster ({engines} local engine{'s' if engines != 1 else ''})", rows, args.later)
+        label = f"--cluster ({engines} local engine{'s' if engines != 1 else ''})"
+        run_cells(shell, "--cluster", device, label, rows, args.later)
     finally:
         shell.run_line_magic("dataparallel", "cluster stop")
         shell.run_line_magic("dataparallel", "stop")
