@@ -115,12 +115,13 @@ def follow_kept(ns: dict, replaced: dict) -> None:
                     for key, item in table.items():
                         table[key] = swap(item)
         elif isinstance(value, list):
-            value[:] = [swap(v) for v in value]
+            for i in [i for i, v in enumerate(value) if id(v) in replaced]:
+                value[i] = replaced[id(value[i])]
         elif isinstance(value, tuple) and any(id(v) in replaced for v in value):
             ns[name] = type(value)(*map(swap, value)) if hasattr(value, "_fields") else tuple(map(swap, value))
         elif isinstance(value, dict) and not name.startswith("__"):
-            for key, item in value.items():
-                value[key] = swap(item)
+            for key in [k for k, v in value.items() if id(v) in replaced]:
+                value[key] = replaced[id(value[key])]
 
 
 def compile_counts() -> tuple[int, int]:
