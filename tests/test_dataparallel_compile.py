@@ -52,6 +52,19 @@ def test_compiled_training_equals_eager_training_and_a_later_cell_reuses_the_com
     assert again < 2.0 and again < first, (first, again)
 
 
+def test_a_model_made_only_of_torchs_layers_is_compiled(shell):
+    # dynamo skips torch's own frames: compiling the DDP wrapper or nn.Module.compile() traced nothing here
+    run_cell(shell, SETUP.format(shuffle=False).replace(
+        "model = Net()", "model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))"))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    assert "--compile: compiled" in cap.stderr or "--compile: traced again" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    assert "--compile: the compiled model was reused, nothing recompiled" in cap.stderr, cap.stderr
+
+
 def test_a_new_model_of_the_same_class_trains_in_the_kept_compiled_model(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     dp_cell(shell, f"{CPU2} --compile", TRAIN)

@@ -28,7 +28,7 @@ from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
-from .warm import Adopted, WarmModels, compile_counts, compile_note, follow_kept
+from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -216,10 +216,10 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
         after_build.append(lambda wrapper: wrapper.register_comm_hook(None, hook))
     mode = meta["ddp"].get("compile")
     if mode:
-        # In place (nn.Module.compile): the cell's name keeps the module it knows, and its
-        # state_dict its keys. Compiling the DDP wrapper lets dynamo split the graph at DDP's
-        # gradient buckets, so communication still overlaps the backward pass.
-        after_build.append(lambda wrapper: wrapper.compile(mode=None if mode == "default" else mode))
+        # The wrapped module's forward, in place (see compile_forward); traced while DDP's forward
+        # is active, dynamo splits the graph at DDP's gradient buckets, so communication still
+        # overlaps the backward pass.
+        after_build.append(lambda wrapper: compile_forward(wrapper.module, mode))
     options = (tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(ddp_kwargs.items())),
                meta["ddp"].get("grad_dtype", "fp32"), mode, str(device))
     inner: dict = {}
@@ -243,7 +243,7 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
         if any(p.requires_grad for p in module.parameters()):
             ns[name] = wrap_in_ddp(module, ddp_kwargs, after_build)
         elif mode:
-            module.compile(mode=None if mode == "default" else mode)
+            compile_forward(module, mode)
         if warm is not None:
             warm.keep(name, ns[name], module, options)
     if replaced:

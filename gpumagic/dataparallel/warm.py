@@ -26,12 +26,12 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WarmModels", "Adopted", "follow_kept", "compile_counts", "compile_note"]
+__all__ = ["WarmModels", "Adopted", "follow_kept", "compile_forward", "compile_counts", "compile_note"]
 
 _MISSING = object()
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _OWN_STATE = ("_parameters", "_buffers", "_modules")   # compared and copied tensor by tensor
-_ADDED_BY_COMPILE = {"_compiled_call_impl"}   # nn.Module.compile() in place (a module with nothing to train)
+_ADDED_BY_COMPILE = {"forward"}   # compile_forward's instance attribute
 
 
 @dataclass
@@ -122,6 +122,21 @@ def follow_kept(ns: dict, replaced: dict) -> None:
         elif isinstance(value, dict) and not name.startswith("__"):
             for key in [k for k, v in value.items() if id(v) in replaced]:
                 value[key] = replaced[id(value[key])]
+
+
+def compile_forward(module, mode: str) -> None:
+    """``module.forward`` compiled in place, as an instance attribute: the cell's name keeps the
+    module it knows, and its ``state_dict`` its keys.
+
+    Not ``module.compile()`` nor ``torch.compile(DDP(module))``: dynamo skips torch's own frames
+    (``nn.Module._call_impl``, DDP's forward, ``nn.Sequential.forward``) unless told to compile
+    one, so those trace nothing at all for a model made only of torch's layers (an
+    ``nn.Sequential`` MLP, an ``nn.TransformerEncoder``). Compiling the model's own ``forward``
+    does, whatever its class.
+    """
+    import torch
+    forward = type(module).forward.__get__(module)   # the class's, not an earlier compiled one
+    module.forward = torch.compile(forward, mode=None if mode == "default" else mode)
 
 
 def compile_counts() -> tuple[int, int]:
