@@ -65,6 +65,20 @@ def test_a_model_made_only_of_torchs_layers_is_compiled(shell):
     assert "--compile: the compiled model was reused, nothing recompiled" in cap.stderr, cap.stderr
 
 
+def test_a_layer_replaced_in_a_compiled_cell_comes_back_and_the_next_cell_compiles_anew(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    model = ns["model"]
+    dp_cell(shell, f"{CPU2} --compile", "model.out = nn.Linear(12, 3)\n"
+                                        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            + TRAIN.replace("- y) ** 2", "[:, :2] - y) ** 2"))
+    assert ns["model"] is model and model.out.out_features == 3     # the notebook's model took the layer
+    assert all("forward" not in vars(m) for m in model.modules())   # and nothing compiled came with it
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN.replace("- y) ** 2", "[:, :2] - y) ** 2"))
+    assert "--compile: compiled" in cap.stderr or "--compile: traced again" in cap.stderr, cap.stderr
+    assert "model: the last cell replaced layers" in cap.stderr, cap.stderr
+
+
 def test_a_new_model_of_the_same_class_trains_in_the_kept_compiled_model(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     dp_cell(shell, f"{CPU2} --compile", TRAIN)

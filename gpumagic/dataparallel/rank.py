@@ -28,7 +28,7 @@ from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
-from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept
+from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
             _drop_sharded_optimizers(state, opts)
         # A module whose layers the cell replaced comes back whole: the notebook's takes its layers.
         state["reshaped"] = {n: m for n, m in inner.items() if n not in gathered and _shapes(m) != shapes_before[n]}
-        packed = _pack_state(state, ctx.outgoing)
+        with forwards_set_aside(inner.values()):   # reshaped models travel whole
+            packed = _pack_state(state, ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
         buffer = packed.data()

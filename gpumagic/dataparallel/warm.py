@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import sys
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WarmModels", "Adopted", "follow_kept", "compile_forward", "compile_counts", "compile_note"]
+__all__ = ["WarmModels", "Adopted", "follow_kept", "compile_forward", "forwards_set_aside", "compile_counts",
+           "compile_note"]
 
 _MISSING = object()
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
@@ -136,7 +138,29 @@ def compile_forward(module, mode: str) -> None:
     """
     import torch
     forward = type(module).forward.__get__(module)   # the class's, not an earlier compiled one
-    module.forward = torch.compile(forward, mode=None if mode == "default" else mode)
+    compiled: Any = torch.compile(forward, mode=None if mode == "default" else mode)
+    compiled._gpumagic_forward = True   # see forwards_set_aside
+    module.forward = compiled
+
+
+@contextmanager
+def forwards_set_aside(modules):
+    """The forwards :func:`compile_forward` set, taken off the modules while they are pickled: a
+    compiled function does not pickle, and the notebook's module must not get one.
+
+    >>> with forwards_set_aside(inner.values()):      # doctest: +SKIP
+    ...     packed = pack(state)
+    """
+    aside = []
+    for module in modules:
+        for sub in module.modules():
+            if getattr(sub.__dict__.get("forward"), "_gpumagic_forward", False):
+                aside.append((sub, sub.__dict__.pop("forward")))
+    try:
+        yield
+    finally:
+        for sub, forward in aside:
+            sub.__dict__["forward"] = forward
 
 
 def compile_counts() -> tuple[int, int]:
