@@ -53,6 +53,13 @@ def append_results(title: str, lines: list[str], tables) -> None:
     print(f"\nappended to {os.path.relpath(RESULTS)}")
 
 
+def record(script: str, argv, gpus, detail: str, tables) -> None:
+    """Append a run of ``benchmarks/<script>`` to RESULTS.md: the machine, the command line with
+    ``detail`` after it, and ``tables`` (``(header, rows)`` each)."""
+    append_results(script, [f"- machine: {machine(gpus)}; {versions()}",
+                            f"- command: `{command(script, argv)}`; {detail}"], tables)
+
+
 def make_shell():
     """A real IPython shell with gpumagic loaded, as in a notebook."""
     from IPython.core.interactiveshell import InteractiveShell

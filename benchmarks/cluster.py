@@ -112,10 +112,8 @@ def main(argv=None) -> int:
     print(text_table(rows, header))
     print(f"total {time.perf_counter() - t0:.0f} s")
     if not args.no_record:
-        _common.append_results("cluster.py", [
-            f"- machine: {_common.machine(gpus)}; {_common.versions()}",
-            f"- command: `{_common.command('cluster.py', argv)}`; model: {args.layers} x Linear({width}, {width}), "
-            f"{args.mb:.0f} MB of weights, SGD momentum (state as large again)"], [(header, rows)])
+        _common.record("cluster.py", argv, gpus, f"model: {args.layers} x Linear({width}, {width}), "
+                       f"{args.mb:.0f} MB of weights, SGD momentum (state as large again)", [(header, rows)])
     return 0
 
 

@@ -76,10 +76,8 @@ def main(argv=None) -> int:
     header = ["%%dataparallel", "samples/s", "vs eager", "cell", "--compile note", "cudagraph hints"]
     print(text_table(rows, header))
     if not args.no_record:
-        _common.append_results("compile_one_rank.py", [
-            f"- machine: {_common.machine(gpus)}; {_common.versions()}",
-            f"- command: `{_common.command('compile_one_rank.py', argv)}`; Transformer 8 x d1024, bf16, "
-            f"batch {args.batch}, {args.steps} timed steps"], [(header, rows)])
+        _common.record("compile_one_rank.py", argv, gpus, f"Transformer 8 x d1024, bf16, batch {args.batch}, "
+                       f"{args.steps} timed steps", [(header, rows)])
     return 0
 
 
