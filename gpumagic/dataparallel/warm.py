@@ -1,4 +1,5 @@
-"""``--compile`` across cells: each rank keeps the model it compiled, and a later cell trains that one.
+"""``--compile`` on a rank: the model's own forward compiled in place (:func:`compile_forward`), and
+kept warm across cells: each rank keeps the model it compiled, and a later cell trains that one.
 
 torch.compile's compiled code hangs off the code objects it traced, and its
 guards name the module objects. Every cell the kernel ships the notebook's model
