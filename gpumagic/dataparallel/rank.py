@@ -95,7 +95,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     if not launch:
         _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
-    compiling = warm is not None and not launch and not fsdp
+    compiling = warm is not None   # (--compile is refused with fsdp and in launch mode)
     counts_before = compile_counts() if compiling else (0, 0)
     gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
     if launch:
