@@ -131,3 +131,18 @@ def test_a_model_built_in_the_cell_comes_back_whole(shell):
     assert float(ns["head"].weight.sum()) == ns["sums"][0] == ns["sums"][1]
     assert "models built in the cell (on the CPU): head, ddp" in cap.stderr
     assert "hopt" in cap.stderr.split("left in the workers")[1].splitlines()[0]
+
+
+def test_a_large_tensor_changed_in_place_between_cells_reaches_the_ranks(shell):
+    """The ranks keep large tensors by content; negating a float64 weight (every word's top bit
+    flipped) must count as a change, or the ranks train on the old weight and send it back."""
+    run_cell(shell, """
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(512, 512, bias=False).double()      # 2 MiB: kept by the ranks
+        """)
+    dp_cell(shell, CPU2, "seen = model.weight.sum().item()\n")
+    run_cell(shell, "with torch.no_grad(): model.weight.neg_()\nbefore = model.weight.sum().item()")
+    dp_cell(shell, CPU2, "seen = model.weight.sum().item()\n")
+    ns = shell.user_ns
+    assert ns["before"] != 0 and ns["seen"] == ns["before"] == ns["model"].weight.sum().item()

@@ -41,6 +41,44 @@ def test_ship_cache_is_keyed_by_content():
     assert tensor_cache.fingerprint_keys([swapped]) != tensor_cache.fingerprint_keys([big])
 
 
+@pytest.mark.parametrize("change", ["neg float64", "abs float64", "neg odd float32", "swap two words",
+                                    "top bit of two words", "last byte"])
+def test_any_change_to_a_large_tensor_changes_its_fingerprint(change):
+    """Changes a linear sum of the words misses: sign flips differ by 2**63 and cancel in pairs."""
+    torch.manual_seed(0)
+    t = torch.randn(512, 512, dtype=torch.float64) if "64" in change else torch.randn(600_000)
+    changed = t.clone()
+    if change == "neg float64":
+        changed.neg_()
+    elif change == "abs float64":            # exactly two values negative
+        t = t.abs()
+        t[0, :2] *= -1
+        changed = t.abs()
+    elif change == "neg odd float32":
+        changed[1::2].neg_()
+    else:
+        words = changed.view(torch.int64)
+        if change == "swap two words":
+            words[[10, 20_000]] = words[[20_000, 10]].clone()
+        elif change == "top bit of two words":
+            words[[3, 7]] ^= -(1 << 63)
+        else:
+            changed.view(torch.uint8)[-1] ^= 1
+    assert not torch.equal(changed, t)
+    assert tensor_cache.fingerprint_keys([changed]) != tensor_cache.fingerprint_keys([t])
+
+
+@pytest.mark.gpu
+def test_fingerprints_agree_on_the_cpu_and_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    torch.manual_seed(0)
+    tensors = [torch.randn(300_000), torch.randn(512, 512, dtype=torch.float64), torch.randn(3, 1_000_003).half(),
+               torch.randint(0, 255, (5_000_001,), dtype=torch.uint8), torch.randn(20_000_000)]
+    on_gpu = [t.cuda() for t in tensors]
+    assert tensor_cache.fingerprint_keys(on_gpu) == tensor_cache.fingerprint_keys(tensors)
+
+
 def test_shared_tensors_travel_by_reference_and_the_rest_by_value():
     shared = torch.zeros(4).share_memory_()
     private = torch.ones(4)

@@ -1,7 +1,7 @@
 """Tensors a worker keeps between cells, found again by their content.
 
 Tensors of ``LARGE_TENSOR_BYTES`` or more are *fingerprinted* (a 64-bit,
-position-weighted sum of their bits, the same on CPU and GPU). A worker keeps
+position-weighted sum of their mixed bits, the same on CPU and GPU). A worker keeps
 the large tensors of its last cell in a :class:`TensorStore` keyed by
 fingerprint; when the kernel ships a tensor whose fingerprint every worker
 holds, only the key travels (:mod:`.wire`). After a ``%%dataparallel`` cell
@@ -28,16 +28,37 @@ def is_shippable_tensor(obj) -> bool:
             and obj.device.type in ("cpu", "cuda") and not obj.is_nested)
 
 
-_COLS = 1021   # a prime: rows of this many 8-byte words get one weight each, columns another
+_COLS = 1021          # a prime: rows of this many 8-byte words get one weight each, columns another
+# Rows mixed at a time: on the CPU 0.5 MB of words, which stays in cache between the mixing steps
+# (2.5x faster than whole-tensor steps); on a GPU 64 MB, few enough launches.
+_CHUNK_ROWS = {"cpu": 64, "cuda": 8192}
+# Odd multipliers (splitmix64's, as signed int64): multiplying by an odd number permutes the 2**64 words.
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix_(words: torch.Tensor, z: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+    """``words`` through a bijective, non-linear mix (multiply, xor-shift, multiply), into ``z``.
+
+    Without it the weighted sum was linear: flipping a float64's sign changes its
+    word by 2**63, and any even number of such flips cancelled out. Each step is a
+    bijection, so distinct words stay distinct; torch's ``>>`` on int64 keeps the
+    sign, hence the mask that makes it a logical shift. ``shifted`` is scratch.
+    """
+    torch.mul(words, _MIX1, out=z)
+    torch.bitwise_right_shift(z, 32, out=shifted)
+    z.bitwise_xor_(shifted.bitwise_and_(_LOW32))
+    return z.mul_(_MIX2)
 
 
 def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim int64 tensor on ``t``'s device: a position-weighted sum of ``t``'s bits.
+    """A 0-dim int64 tensor on ``t``'s device: a position-weighted sum of ``t``'s mixed bits.
 
-    The bytes are read as a matrix of 8-byte words, ``_COLS`` to a row; each
-    column and each row has its own odd weight. Integer arithmetic wraps
-    identically on every device and in any summation order, so CPU and GPU
-    agree on the value; on the CPU ``mv`` makes it one pass over memory.
+    The bytes are read as a matrix of 8-byte words, ``_COLS`` to a row; each word
+    is mixed (:func:`_mix_`), and each column and each row has its own odd weight.
+    Integer arithmetic wraps identically on every device and in any summation
+    order, so CPU and GPU agree on the value.
     """
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if b.storage_offset() % 8:
@@ -47,19 +68,30 @@ def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     full = n // row_bytes * row_bytes
     device = b.device
     cols = torch.arange(_COLS, device=device, dtype=torch.int64) * 2 + 1
-    parts = []
+    matrices = []
     if full:
-        parts.append(b[:full].view(torch.int64).view(-1, _COLS))
+        matrices.append(b[:full].view(torch.int64).view(-1, _COLS))
     if n > full:
         tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
         tail[: n - full] = b[full:]
-        parts.append(tail.view(torch.int64).view(1, _COLS))
-    if not parts:
+        matrices.append(tail.view(torch.int64).view(1, _COLS))
+    if not matrices:
         return torch.zeros((), dtype=torch.int64, device=device)
     cpu = device.type == "cpu"
-    rows = torch.cat([torch.mv(x, cols) if cpu else (x * cols).sum(1) for x in parts])
-    weights = torch.arange(rows.numel(), device=device, dtype=torch.int64) * 2654435761 + 97
-    total = torch.dot(rows, weights) if cpu else (rows * weights).sum()
+    chunk = _CHUNK_ROWS["cpu" if cpu else "cuda"]
+    most = min(chunk, max(x.shape[0] for x in matrices))
+    z = torch.empty(most, _COLS, dtype=torch.int64, device=device)
+    shifted = torch.empty_like(z)
+    rows = []
+    for x in matrices:
+        for start in range(0, x.shape[0], chunk):
+            words = x[start:start + chunk]
+            k = words.shape[0]
+            mixed = _mix_(words, z[:k], shifted[:k])
+            rows.append(torch.mv(mixed, cols) if cpu else (mixed * cols).sum(1))
+    row_sums = torch.cat(rows)
+    weights = torch.arange(row_sums.numel(), device=device, dtype=torch.int64) * 2654435761 + 97
+    total = torch.dot(row_sums, weights) if cpu else (row_sums * weights).sum()
     return total + n
 
 
