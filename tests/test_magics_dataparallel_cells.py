@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -146,3 +147,40 @@ def test_a_large_tensor_changed_in_place_between_cells_reaches_the_ranks(shell):
     dp_cell(shell, CPU2, "seen = model.weight.sum().item()\n")
     ns = shell.user_ns
     assert ns["before"] != 0 and ns["seen"] == ns["before"] == ns["model"].weight.sum().item()
+
+
+@pytest.mark.parametrize("case", ["model built in the cell", "head built beside the model"])
+def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case):
+    """DDP averages the notebook modules the cell starts with; a module built in the cell would train
+    one copy per rank, each on half the data. The first step of it raises on every rank, naming it."""
+    run_cell(shell, SETUP + "criterion = torch.nn.MSELoss()\n")
+    before = {k: v.clone() for k, v in shell.user_ns["model"].state_dict().items()}
+    if case == "model built in the cell":
+        body = """
+            net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+            opt2 = torch.optim.SGD(net.parameters(), lr=0.1)
+            for x, y in loader:
+                opt2.zero_grad(); criterion(net(x), y).backward(); opt2.step()
+            """
+        named, line = "net.0.weight, net.0.bias, net.2.weight, net.2.bias", 6   # the %%dataparallel line is 1
+    else:
+        body = """
+            head = torch.nn.Linear(1, 1)
+            hopt = torch.optim.SGD(head.parameters(), lr=0.1)
+            for x, y in loader:
+                opt.zero_grad(); hopt.zero_grad()
+                criterion(head(model(x)), y).backward()
+                opt.step(); hopt.step()
+            """
+        named, line = "head.weight, head.bias", 8
+    with pytest.raises(WorkerError) as err:
+        dp_cell(shell, CPU2, body)
+    text = str(err.value)
+    assert err.value.exc_type == "UnaveragedParameters" and f"no rank averages: {named}." in text
+    assert f"line {line}, in <module>" in err.value.remote_traceback and "in an earlier cell" in text
+    ns = shell.user_ns
+    assert "net" not in ns and "head" not in ns
+    assert all(torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())
+    result, text, _ = run_cell(shell, "%%dataparallel " + CPU2 + "\nfor x, y in loader:\n"
+                               "    opt.zero_grad(); criterion(model(x), y).backward(); opt.step()\n")
+    assert result.success, text

@@ -29,7 +29,7 @@ from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
-from .wrapping import RankDevice, compressed_allreduce, wrap_in_ddp
+from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,15 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
                 "result). Let the framework see the ranks (a Lightning Trainer with devices=N, an Accelerator "
                 "made in the cell), or run a hand-written loop without --launch")})
     else:
-        value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+        # DDP averages the modules it wraps (a module without trainable parameters is not wrapped);
+        # FSDP the modules it sharded. Stepping anything else would train a copy per rank.
+        averaged = list(inner.values()) if fsdp else [m for name, m in inner.items() if ns.get(name) is not m]
+        guard = refuse_unaveraged_steps(lambda: averaged, ns) if ctx.world_size > 1 else None
+        try:
+            value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+        finally:
+            if guard is not None:
+                guard.remove()
     if compiling and ctx.rank == 0:
         ctx.send({"kind": "note", "text": compile_note(counts_before, compile_counts(), stats, compiled_anew)})
     # Gradients do not go back to the notebook: free them now rather than keep them with the weights.

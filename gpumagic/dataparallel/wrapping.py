@@ -2,7 +2,8 @@
 
 * :func:`wrap_in_ddp` - DistributedDataParallel that answers like the module it wraps;
 * :class:`RankDevice` - ``'cuda:0'``, ``.cuda(0)``, ``device=0`` in the cell mean the rank's GPU;
-* :func:`compressed_allreduce` - gradients all-reduced in bf16 or fp16 (``--grad-dtype``).
+* :func:`compressed_allreduce` - gradients all-reduced in bf16 or fp16 (``--grad-dtype``);
+* :func:`refuse_unaveraged_steps` - no optimizer steps a parameter that no rank averages.
 
 Runs in the workers: no IPython.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["cell_ddp_class", "wrap_in_ddp", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce"]
+__all__ = ["cell_ddp_class", "wrap_in_ddp", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce",
+           "refuse_unaveraged_steps", "UnaveragedParameters"]
 
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")   # what --grad-dtype takes
@@ -157,6 +159,64 @@ def wrap_in_ddp(module, kwargs: dict, after_build=()):
     wrapper = cell_ddp_class(type(module))(module, **kwargs)
     wrapper._gpumagic_finish(dict(kwargs), list(after_build))
     return wrapper
+
+
+class UnaveragedParameters(RuntimeError):
+    """An optimizer was about to step parameters whose gradients no rank averages."""
+
+
+def refuse_unaveraged_steps(averaged_modules, ns: dict):
+    """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
+    module built in the cell, a head added beside the model) would train a different copy on each
+    rank, each on its part of the data, and the notebook would get rank 0's. So the first such
+    step raises instead, naming the parameters. Every rank runs the same code, so every rank
+    raises at the same step, and none waits in a collective for another.
+
+    ``averaged_modules()`` gives the modules whose gradients the ranks average, as they are at the
+    step (a wrapper that rebuilt for a replaced layer averages the new layer too). Returns the
+    hook's handle (``.remove()`` it when the cell ends).
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    passed: set = set()   # (optimizer, its stepped parameters) found all averaged before
+
+    def check(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        key = (id(optimizer), tuple(map(id, params)))
+        if key in passed:
+            return
+        averaged = {id(p) for module in averaged_modules() for p in module.parameters()}
+        stray = [p for p in params if id(p) not in averaged]
+        if not stray:
+            passed.add(key)
+            return
+        raise UnaveragedParameters(_unaveraged_message(stray, ns))
+
+    return register_optimizer_step_pre_hook(check)
+
+
+def _unaveraged_message(stray: list, ns: dict) -> str:
+    import torch
+    wanted = {id(p) for p in stray}
+    names: list[str] = []
+    owners: list[str] = []
+    for var, obj in ns.items():
+        module = getattr(obj, "module", obj) if isinstance(obj, torch.nn.Module) else None
+        if module is None or var.startswith("_"):
+            continue
+        found = [f"{var}.{n}" for n, p in module.named_parameters() if id(p) in wanted]
+        if found:
+            owners.append(var)
+            names += found
+            wanted -= {id(p) for _, p in module.named_parameters()}
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    if wanted:
+        shown += (", and " if shown else "") + f"{len(wanted)} parameter(s) of no module the cell names"
+    fix = (f"build {', '.join(owners)} in an earlier cell (gpumagic then wraps it in DDP as it does the "
+           "others)" if owners else "make them part of a notebook model")
+    return (f"the optimizer would step parameters whose gradients no rank averages: {shown}. Each rank "
+            "would train its own copy on its part of the data, and the notebook would get rank 0's. "
+            "%%dataparallel averages the gradients of the notebook modules the cell uses as it starts; "
+            f"{fix}; or wrap the model in DistributedDataParallel yourself (then the cell runs in launch mode).")
 
 
 class RankDevice(ast.NodeTransformer):
