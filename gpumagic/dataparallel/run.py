@@ -39,6 +39,7 @@ from ..procs.output import RankOutput
 from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.wire import Unshippable, pack_namespace
+from . import held
 from .detect import choose_mode
 from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch
@@ -213,6 +214,10 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
              "started, and the cell's own code wraps the model and splits the data")
     ship_tree, helper = _placement_for_cpu(compiled.tree, ns) if plan.devices[0] == "cpu" else (compiled.tree, None)
+    if plan.cluster is None:
+        from ..procs import pool as poolmod
+        wanted = (tuple(str(d) for d in plan.devices), plan.backend, plan.timeout)
+        held.check_cell(ns, set(survey.used), plan.strategy, poolmod.current_pool(POOL_NAME), wanted)
     t_before_pool = time.monotonic()
     pool, started = _pool(plan)
     t_pool = time.monotonic()
@@ -245,6 +250,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_ranks_done = time.monotonic()
     payload, buffer = results[0]
     state = _load(ns, pool, payload, buffer, survey, shipment)
+    if shipment is not None:
+        held.keep(pool, state.get("stayed", []), ns)
     defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
     # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
     pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
@@ -311,6 +318,7 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
     except BaseException:
         pool.held = set()
         pool.fsdp_records = None   # the ranks dropped their shards
+        held.lost("the cell failed, so they dropped what they kept", shell.user_ns)
         if writing:
             note("%%dataparallel --strategy fsdp: stopped while rank 0 was writing the trained state into the "
                  "notebook's tensors: the model and optimizer hold a mix of their state before and after the "
@@ -343,5 +351,6 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
     except BaseException:
         pool.held = set()
         pool.fsdp_records = None
+        held.lost("loading the trained state failed, so they dropped what they kept", ns)
         raise
     return state

@@ -217,10 +217,12 @@ class DataParallelMagics(Magics):
             raise usage_error(f"%dataparallel {action} takes no {args.verb!r}", _ACTIONS)
         self._only(args, action, set())
         if action == "stop":
+            from ..dataparallel import held
             from ..dataparallel.plan import POOL_NAME
             from ..procs import pool as poolmod
             stopped = poolmod.stop_pool(POOL_NAME)
             display.note("%%dataparallel pool stopped" if stopped else "%%dataparallel pool was not running")
+            held.lost("%dataparallel stop ended them", self.shell.user_ns)
             return None
         shown = pool_status()
         if display.widgets_supported(self.shell):
