@@ -153,3 +153,28 @@ def test_what_refers_to_the_shipped_model_follows_the_kept_one():
     assert ns["models"][0] is kept and ns["pair"] == (kept, 1) and ns["by_name"]["m"] is kept
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in kept.parameters()]
     assert torch.equal(opt.state[kept.out.bias]["momentum_buffer"], torch.ones(1))
+
+
+def test_objects_the_forward_reads_are_alike_when_their_attributes_are():
+    """A config namespace or an activation module is shipped anew each cell: the same when equal."""
+    import types
+    cfg = types.SimpleNamespace(scale=2.0, mode="tanh")
+    act = nn.GELU(approximate="tanh")
+    assert _same(_ship(cfg), _ship(cfg)) and _same(_ship(act), _ship(act))
+    assert not _same(_ship(cfg), _ship(types.SimpleNamespace(scale=3.0, mode="tanh")))
+    assert not _same(_ship(act), _ship(nn.GELU()))
+    f = _function("def f(x):\n    return act(x) * cfg.scale\n", act=act, cfg=cfg)
+    g = _function("def f(x):\n    return act(x) * cfg.scale\n", act=_ship(act), cfg=_ship(cfg))
+    assert _same(f, g)
+    g.__globals__["cfg"] = types.SimpleNamespace(scale=3.0, mode="tanh")
+    assert not _same(f, g)
+
+
+def test_a_model_let_go_says_why_in_the_next_cells_note():
+    model = _net_class()()
+    warm = WarmModels()
+    kept = _ship(model)
+    warm.keep("model", kept, kept, OPTIONS)
+    after = WarmModels(warm.let_go("the last cell failed"))
+    assert after.adopt("model", _ship(model), OPTIONS) == "the last cell failed"
+    assert after.adopt("model", _ship(model), OPTIONS) == "first cell"      # said once

@@ -63,14 +63,19 @@ class WarmModels:
     >>> found = warm.adopt("model", shipped, options)            # an Adopted, or the reason it is not
     """
 
-    def __init__(self):
+    def __init__(self, lost: dict | None = None):
         self.kept: dict[str, _Kept] = {}
+        self.lost = dict(lost or {})   # name -> why the model kept for it was let go (for the note)
+
+    def let_go(self, why: str) -> dict:
+        """Why each kept model is let go now, by name: for the next WarmModels' notes."""
+        return {name: why for name in self.kept}
 
     def adopt(self, name: str, module, options: tuple) -> Adopted | str:
         """The kept model for ``name`` with ``module``'s weights, or why it cannot be (it is let go)."""
         kept = self.kept.pop(name, None)
         if kept is None:
-            return "first cell"
+            return self.lost.pop(name, "first cell")
         why = _difference(kept, module, options)
         if why:
             return why
@@ -178,7 +183,9 @@ def compile_note(before: tuple[int, int], after: tuple[int, int], stats: dict, a
     traced, compiled = after[0] - before[0], after[1] - before[1]
     first = stats.get("first_step")
     when = f"; first optimizer step {first:.1f} s after the cell started" if first is not None else ""
-    why = "; ".join(f"{name}: {reason}" for name, reason in anew.items()) or "new input shapes"
+    # Adopted models recompile where a guard of dynamo's fails: shapes, train/eval, an attribute read.
+    why = "; ".join(f"{name}: {reason}" for name, reason in anew.items()) or \
+        "new input shapes, train/eval mode or an attribute the forward reads"
     if compiled:
         return f"--compile: compiled {compiled} graph{'s' if compiled != 1 else ''} ({why}){when}"
     if traced:
@@ -298,7 +305,11 @@ def _same(a, b, seen: set | None = None) -> bool:
         return _same_function(a, b, seen)
     if _is_tensor(a):   # a constant the code reads (a mean, a mask): the same values
         return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool((a == b).all())
-    return False   # modules and other objects: distinct objects are different
+    if hasattr(a, "__dict__") and not isinstance(a, (type, types.ModuleType)):
+        # an object the code reads (a config namespace, an activation module), shipped anew each
+        # cell: alike when its attributes are
+        return _same(vars(a), vars(b), seen)
+    return False   # other objects: distinct objects are different
 
 
 def _is_tensor(value) -> bool:
