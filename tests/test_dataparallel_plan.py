@@ -126,3 +126,14 @@ def test_cluster_plan_refuses_this_machines_options(kwargs, says):
     with pytest.raises(UsageError) as err:
         make_plan(gpus=[], **kwargs)
     assert says in str(err.value) and "valid choices" in str(err.value)
+
+
+@pytest.mark.parametrize("given, flag", [(dict(seed=3), "--seed"), (dict(timeout=60), "--timeout"),
+                                         (dict(all_output=True), "--all-output"),
+                                         (dict(static_graph=True), "--static-graph"),
+                                         (dict(bucket_mb=50), "--bucket-mb")])
+def test_options_of_worker_processes_are_refused_with_strategy_dp(given, flag):
+    with pytest.raises(UsageError) as err:
+        make_plan(strategy="dp", gpus=[], **given)
+    assert str(err.value) == (f"{flag} applies to worker processes (--strategy ddp or fsdp); --strategy dp runs "
+                              f"the cell in the kernel; valid choices: --strategy ddp {flag}, --strategy dp")

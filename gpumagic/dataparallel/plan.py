@@ -96,6 +96,14 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
         if launch:
             raise usage_error("--launch runs the cell in worker processes, as torchrun would; --strategy dp runs "
                               "it in the kernel", ["--strategy ddp --launch", "--strategy dp"])
+        ignored = [flag for flag, given in (("--timeout", timeout is not None), ("--all-output", all_output),
+                                            ("--seed", seed is not None), ("--static-graph", static_graph),
+                                            ("--find-unused", find_unused), ("--bucket-mb", bucket_mb is not None),
+                                            ("--oversubscribe", oversubscribe)) if given]
+        if ignored:
+            raise usage_error(f"{', '.join(ignored)} appl{'ies' if len(ignored) == 1 else 'y'} to worker processes "
+                              "(--strategy ddp or fsdp); --strategy dp runs the cell in the kernel",
+                              ["--strategy ddp " + " ".join(ignored), "--strategy dp"])
         return _dp_plan(chosen, backend, timeout, models, all_output, seed, notes)
     on_gpu = chosen[0] != "cpu"
     backend = _check_backend(backend, on_gpu)

@@ -153,6 +153,12 @@ class DataParallelMagics(Magics):
         if args.action is not None or args.verb is not None:
             raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
                               "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
+        cluster_start = [flag for flag, given in (("--engines", args.engines != "local"),
+                                                  ("--profile", args.profile is not None)) if given]
+        if cluster_start:
+            raise usage_error(f"{' '.join(cluster_start)} belong(s) to %dataparallel cluster start; the cell form "
+                              "finds a cluster with --cluster [PROFILE_OR_FILE]",
+                              ["--cluster", "%dataparallel cluster start " + " ".join(cluster_start)])
         from ..cell.compile import is_empty
         from ..dataparallel.plan import make_plan
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
