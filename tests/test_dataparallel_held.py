@@ -75,3 +75,11 @@ def test_a_model_bound_anew_is_not_held(shell):
     run_cell(shell, "model = Net(width=32, depth=3)\nopt = torch.optim.AdamW(model.parameters(), lr=0.01)")
     _, cap = dp_cell(shell, "--devices cpu --nprocs 2", TRAIN)   # a CPU model, DDP, other ranks: fine
     assert "trained state loaded into model" in cap.stderr
+
+
+def test_a_meta_model_in_a_ddp_cell_is_refused_before_anything_starts(shell):
+    result, text, _ = run_cell(shell, META)
+    assert result.success, text
+    with pytest.raises(UsageError, match=r"model is on the meta device .*--strategy fsdp"):
+        dp_cell(shell, "--devices cpu --nprocs 2", TRAIN)
+    assert poolmod.current_pool(POOL_NAME) is None

@@ -149,11 +149,13 @@ def test_a_large_tensor_changed_in_place_between_cells_reaches_the_ranks(shell):
     assert ns["before"] != 0 and ns["seen"] == ns["before"] == ns["model"].weight.sum().item()
 
 
-@pytest.mark.parametrize("case", ["model built in the cell", "head built beside the model"])
+@pytest.mark.parametrize("case", ["model built in the cell", "head built beside the model", "left out of --model"])
 def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case):
     """DDP averages the notebook modules the cell starts with; a module built in the cell would train
     one copy per rank, each on half the data. The first step of it raises on every rank, naming it."""
-    run_cell(shell, SETUP + "criterion = torch.nn.MSELoss()\n")
+    run_cell(shell, SETUP + "criterion = torch.nn.MSELoss()\nhead = torch.nn.Linear(1, 1)\n"
+                            "hopt = torch.optim.SGD(head.parameters(), lr=0.1)\n")
+    line = CPU2
     before = {k: v.clone() for k, v in shell.user_ns["model"].state_dict().items()}
     if case == "model built in the cell":
         body = """
@@ -162,7 +164,7 @@ def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case
             for x, y in loader:
                 opt2.zero_grad(); criterion(net(x), y).backward(); opt2.step()
             """
-        named, line = "net.0.weight, net.0.bias, net.2.weight, net.2.bias", 6   # the %%dataparallel line is 1
+        named, at, fix = "net.0.weight, net.0.bias, net.2.weight, net.2.bias", 6, "build net in an earlier cell"
     else:
         body = """
             head = torch.nn.Linear(1, 1)
@@ -172,15 +174,124 @@ def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case
                 criterion(head(model(x)), y).backward()
                 opt.step(); hopt.step()
             """
-        named, line = "head.weight, head.bias", 8
+        named, at, fix = "head.weight, head.bias", 8, "build head in an earlier cell"
+        if case == "left out of --model":   # the notebook's head, from SETUP
+            line += " --model model"
+            body = "\n".join(b for b in body.splitlines() if "head = " not in b and "hopt = " not in b)
+            named, at, fix = "head.weight, head.bias", 6, "name head with the others: --model model,head"
     with pytest.raises(WorkerError) as err:
-        dp_cell(shell, CPU2, body)
+        dp_cell(shell, line, body)
     text = str(err.value)
     assert err.value.exc_type == "UnaveragedParameters" and f"no rank averages: {named}." in text
-    assert f"line {line}, in <module>" in err.value.remote_traceback and "in an earlier cell" in text
+    assert f"line {at}, in <module>" in err.value.remote_traceback and fix in text, text
     ns = shell.user_ns
-    assert "net" not in ns and "head" not in ns
+    assert "net" not in ns
     assert all(torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())
     result, text, _ = run_cell(shell, "%%dataparallel " + CPU2 + "\nfor x, y in loader:\n"
                                "    opt.zero_grad(); criterion(model(x), y).backward(); opt.step()\n")
     assert result.success, text
+
+
+def test_eval_mode_attributes_and_frozen_layers_set_in_the_cell_come_back(shell):
+    """A cell that trains and then evaluates leaves the model in eval mode, as a plain cell does."""
+    run_cell(shell, SETUP + "model.temp = 1.0\n")
+    ns = shell.user_ns
+    model = ns["model"]
+    dp_cell(shell, CPU2, """
+        for x, y in loader:
+            opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        model.eval()
+        model.temp = 0.5
+        model.label = "trained"
+        model[0].requires_grad_(False)
+        """)
+    assert ns["model"] is model
+    assert [m.training for m in model.modules()] == [False] * 4
+    assert (model.temp, model.label) == (0.5, "trained")
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+    dp_cell(shell, CPU2, """
+        model.train()
+        model[0].requires_grad_(True)
+        for x, y in loader:
+            opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        """)
+    assert all(m.training for m in model.modules()) and all(p.requires_grad for p in model.parameters())
+
+
+def test_a_model_built_from_a_class_the_cell_defined_is_an_instance_of_the_notebooks_class(shell):
+    run_cell(shell, SETUP)
+    dp_cell(shell, CPU2 + " --launch", """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Head(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(8, 1)
+            def forward(self, x):
+                return self.fc(x)
+        head = Head()
+        ddp = DDP(head)
+        hopt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x, y in loader:
+            hopt.zero_grad(); torch.nn.functional.mse_loss(ddp(x), y).backward(); hopt.step()
+        """)
+    result, text, _ = run_cell(shell, "import io, pickle\nsame = (isinstance(head, Head), type(head) is Head)\n"
+                                      "back = pickle.loads(pickle.dumps(head))")
+    assert result.success, text
+    ns = shell.user_ns
+    assert ns["same"] == (True, True) and type(ns["back"]) is ns["Head"]
+    assert torch.equal(ns["back"].fc.weight, ns["head"].fc.weight)
+
+
+def _train_in_one_process(ns, loader, epochs):
+    import copy
+    model = copy.deepcopy(ns["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return model
+
+
+def test_a_loader_with_its_own_generator_shuffles_as_in_one_process(shell):
+    import copy
+    run_cell(shell, SETUP.replace("batch_size=8)", "batch_size=8, shuffle=True,\n"
+                                                  "    generator=torch.Generator().manual_seed(0))"))
+    ns = shell.user_ns
+    mine = copy.deepcopy(ns["loader"])
+    ref = _train_in_one_process(ns, mine, epochs=2)
+    dp_cell(shell, CPU2, """
+        for epoch in range(2):
+            for x, y in loader:
+                opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        """)
+    for a, b in zip(ns["model"].parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert torch.equal(ns["loader"].generator.get_state(), mine.generator.get_state())   # advanced alike
+
+
+def test_a_seed_set_in_the_cell_decides_the_shuffling(shell):
+    run_cell(shell, SETUP.replace("batch_size=8)", "batch_size=8, shuffle=True)")
+             + "import copy\nstart = copy.deepcopy(model.state_dict())\n")
+    ns = shell.user_ns
+    cell = """
+        torch.manual_seed({seed})
+        for x, y in loader:
+            opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        """
+    after = []
+    for seed in (7, 7, 8):
+        run_cell(shell, "model.load_state_dict(start)")
+        dp_cell(shell, CPU2, cell.format(seed=seed))
+        after.append(torch.cat([p.detach().flatten() for p in ns["model"].parameters()]))
+    assert torch.equal(after[0], after[1]) and not torch.allclose(after[0], after[2])
+
+
+def test_cluster_start_options_in_the_cell_form_are_refused(shell):
+    from IPython.core.error import UsageError
+    run_cell(shell, SETUP)
+    for line, named in (("--engines slurm", "--engines"), ("--profile foo", "--profile")):
+        with pytest.raises(UsageError, match=f"{named} belong\\(s\\) to %dataparallel cluster start"):
+            dp_cell(shell, line, "y = 1\n")
+    assert "y" not in shell.user_ns

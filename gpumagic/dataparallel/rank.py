@@ -27,6 +27,7 @@ from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
+from .results import module_settings
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
@@ -62,7 +63,9 @@ def rank_main(ctx, meta: dict, data):
     except BaseException:
         store.clear()  # tensors handed to the failed cell may be half-updated
         forget_kept(ctx)
-        ctx.state.pop("warm", None)   # and so may a kept compiled model's weights and DDP state
+        warm = ctx.state.pop("warm", None)   # and so may a kept compiled model's weights and DDP state
+        if warm is not None:
+            ctx.state["warm_lost"] = warm.let_go("the last cell failed, which let the compiled model go")
         raise
 
 
@@ -115,8 +118,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     else:
         # DDP averages the modules it wraps (a module without trainable parameters is not wrapped);
         # FSDP the modules it sharded. Stepping anything else would train a copy per rank.
-        averaged = list(inner.values()) if fsdp else [m for name, m in inner.items() if ns.get(name) is not m]
-        guard = refuse_unaveraged_steps(lambda: averaged, ns) if ctx.world_size > 1 else None
+        wrapped = [name for name, m in inner.items() if fsdp or ns.get(name) is not m]
+        averaged = [inner[name] for name in wrapped]
+        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped) if ctx.world_size > 1 else None
         try:
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
@@ -197,9 +201,11 @@ def _warm_models(ctx, meta: dict) -> WarmModels | None:
     """This rank's kept compiled models (``--compile``), holding only those this cell may train;
     None without ``--compile``, when none are kept."""
     if not meta["ddp"].get("compile"):
-        ctx.state.pop("warm", None)
+        warm = ctx.state.pop("warm", None)
+        if warm is not None:
+            ctx.state["warm_lost"] = warm.let_go("a cell without --compile let the compiled model go")
         return None
-    warm = ctx.state.setdefault("warm", WarmModels())
+    warm = ctx.state.get("warm") or ctx.state.setdefault("warm", WarmModels(ctx.state.pop("warm_lost", None)))
     warm.retain_only(meta["modules"])
     return warm
 
@@ -265,7 +271,7 @@ def _wrap_modules(ns: dict, meta: dict, device, warm: WarmModels | None, tensors
 def _shard_loaders(ns: dict, meta: dict, rank: int, world: int, stats: dict, notify) -> None:
     for name in meta["loaders"]:
         sharded = shard_loader(ns[name], rank, world, split="batch", seed=meta["seed"], whole_without_grad=True,
-                               sampler_class=TrainingPassSampler)
+                               sampler_class=TrainingPassSampler, follow_seed=True)   # every rank seeded alike
         sampler = sharded.batch_sampler
         assert isinstance(sampler, TrainingPassSampler)
         sampler.watch(name, stats, notify=notify if rank == 0 else None)
@@ -330,6 +336,9 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     import torch
     state: dict = {
         "modules": {n: m.state_dict() for n, m in inner.items()},
+        "settings": {n: module_settings(m) for n, m in inner.items()},   # eval(), attributes, requires_grad
+        # a loader's own generator (passed on to the split loader) advanced as it would in one process
+        "generators": {n: ns[n].generator.get_state() for n in meta["loaders"] if ns[n].generator is not None},
         "optimizers": {n: o.state_dict() for n, o in opts.items()},
         "stateful": _stateful_states(ns, meta["stateful"]),
         "values": {},

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from ..cell.values import same_tuple_type
 
-__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned"]
+__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned", "module_settings",
+           "adopt_cell_classes"]
+
+_SETTING_TYPES = (bool, int, float, str, type(None))
 
 
 @dataclass
@@ -59,6 +62,35 @@ class CellResult:
         return text
 
 
+def module_settings(module) -> dict:
+    """What a cell may set on a module besides its tensors, as a plain cell would leave it:
+    each submodule's ``training`` flag (``model.eval()``) and plain attributes (``model.temp = 0.5``),
+    and each parameter's ``requires_grad`` (``layer.requires_grad_(False)``). Runs on rank 0."""
+    subs = {}
+    for qualname, sub in module.named_modules():
+        attrs = {k: v for k, v in vars(sub).items()
+                 if not k.startswith("_") and k != "training" and type(v) in _SETTING_TYPES}
+        subs[qualname] = {"training": sub.training, "attrs": attrs}
+    return {"modules": subs, "requires_grad": {n: p.requires_grad for n, p in module.named_parameters()}}
+
+
+def _apply_settings(module, settings: dict) -> None:
+    """:func:`module_settings` of rank 0's module, set on the notebook's (whose structure matches)."""
+    for qualname, got in settings["modules"].items():
+        try:
+            sub = module.get_submodule(qualname)
+        except AttributeError:   # a layer without tensors that the cell added: the notebook's has none
+            continue
+        sub.training = got["training"]
+        for k, v in got["attrs"].items():
+            if k not in vars(sub) or type(vars(sub)[k]) is not type(v) or vars(sub)[k] != v:
+                setattr(sub, k, v)
+    params = dict(module.named_parameters())
+    for name, flag in settings["requires_grad"].items():
+        if name in params and params[name].requires_grad != flag:
+            params[name].requires_grad_(flag)
+
+
 def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
     """Check everything first, then copy rank 0's state into the notebook's objects in place."""
     import torch
@@ -92,11 +124,16 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 _adopt_layers(module, reshaped[name])
             else:
                 module.load_state_dict(state["modules"][name])
+            if name in (state.get("settings") or {}):
+                _apply_settings(module, state["settings"][name])
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
         if name in state["stateful"]:
             ns[name].load_state_dict(cloned(state["stateful"][name]))
+    for name, generator_state in (state.get("generators") or {}).items():
+        if getattr(ns.get(name), "generator", None) is not None:
+            ns[name].generator.set_state(generator_state.clone())
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
@@ -195,6 +232,19 @@ def define_in_notebook(ns: dict, tree, filename: str, names: list[str]) -> tuple
         except Exception as exc:  # noqa: BLE001 - named in the cell's note, with the reason
             failed.append(f"{name} ({type(exc).__name__}: {exc})")
     return done, failed
+
+
+def adopt_cell_classes(ns: dict, made: list[str], defined: list[str]) -> None:
+    """Models the cell built from classes it defined arrive as instances of copies of those classes;
+    make them instances of the classes the notebook now holds (:func:`define_in_notebook`), so that
+    ``isinstance(head, Head)`` holds and ``torch.save(head)`` finds the class, as after a plain cell."""
+    classes = {name: ns[name] for name in defined if isinstance(ns.get(name), type)}
+    by_qualname = {(c.__module__, c.__qualname__): c for c in classes.values()}
+    for name in made:
+        for sub in ns[name].modules():
+            cls = by_qualname.get((type(sub).__module__, type(sub).__qualname__))
+            if cls is not None and cls is not type(sub):
+                sub.__class__ = cls
 
 
 def _optimizer_state_to_keep(opt, sd: dict) -> dict:

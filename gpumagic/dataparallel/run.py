@@ -41,11 +41,11 @@ from ..procs.seeding import draw_seed
 from ..procs.wire import Unshippable, pack_namespace
 from . import held
 from .detect import choose_mode
-from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, prepare_shipment
+from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .results import CellResult, cloned, define_in_notebook, load_into_notebook
+from .results import CellResult, adopt_cell_classes, cloned, define_in_notebook, load_into_notebook
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -83,11 +83,18 @@ def read_names(tree, shell) -> list[str]:
     return notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
 
 
-def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] | None = None) -> CellSurvey:
+def warn_in_cell(text: str, filename: str) -> None:
+    """A warning shown against the cell (``filename``, line 1), not gpumagic's own line, each time."""
+    warnings.warn_explicit(text, UserWarning, filename, 1)
+
+
+def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] | None = None,
+                filename: str = "<cell>") -> CellSurvey:
     """Find what the cell trains; ``UsageError`` before anything starts when it cannot run.
 
     In launch mode the cell's framework splits the data, and the model may be made in the cell.
-    ``used``: the cell's :func:`read_names`, where the caller has them already.
+    ``used``: the cell's :func:`read_names`, where the caller has them already; ``filename``: the
+    cell's, for warnings.
     """
     import torch
     ns = shell.user_ns
@@ -103,14 +110,14 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     if launch:
         read_loaders = {}   # the framework splits them; the notebook's stay as they are
     elif not read_loaders:
-        warnings.warn("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
-                      "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
-                      "split each batch across the ranks.", stacklevel=3)
+        warn_in_cell("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
+                     "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
+                     "split each batch across the ranks.", filename)
     loaders = {}   # the ones split across the ranks
     for n, loader in read_loaders.items():
         if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            warnings.warn(f"DataLoader {n!r} reads an IterableDataset: every rank reads all of it; shard it "
-                          "inside the dataset with torch.distributed.get_rank()", stacklevel=3)
+            warn_in_cell(f"DataLoader {n!r} reads an IterableDataset: every rank reads all of it; shard it "
+                         "inside the dataset with torch.distributed.get_rank()", filename)
         else:
             loaders[n] = loader
     stateful = [n for n in used if n not in modules and is_stateful(ns[n])]
@@ -208,7 +215,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
                               "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
                               ["%%dataparallel", "%%dataparallel --launch"])
         check_launch(plan, why)
-    survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used)
+    survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used, filename=compiled.filename)
     blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
     if launch and not plan.launch:
         note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
@@ -218,6 +225,11 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         from ..procs import pool as poolmod
         wanted = (tuple(str(d) for d in plan.devices), plan.backend, plan.timeout)
         held.check_cell(ns, set(survey.used), plan.strategy, poolmod.current_pool(POOL_NAME), wanted)
+    on_meta_device = [n for n, m in survey.modules.items() if on_meta(m)]
+    if on_meta_device and blocks is None and not launch:
+        raise usage_error(f"{', '.join(on_meta_device)} is on the meta device (it has no weights to copy to the "
+                          "ranks): --strategy fsdp initialises such a model on the ranks and trains it there",
+                          ["--strategy fsdp"])
     t_before_pool = time.monotonic()
     pool, started = _pool(plan)
     t_pool = time.monotonic()
@@ -253,6 +265,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     if shipment is not None:
         held.keep(pool, state.get("stayed", []), ns)
     defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
+    adopt_cell_classes(ns, state["made_names"], defined)
     # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
     pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
     t_end = time.monotonic()
@@ -309,7 +322,7 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
         elif msg.get("kind") == "progress":
             progress.update(rank, msg["stats"])
         elif msg.get("kind") == "warning":
-            warnings.warn(msg["text"], UserWarning, stacklevel=2)
+            warn_in_cell(msg["text"], meta["filename"])
         elif msg.get("kind") == "note":
             note(msg["text"])
 

@@ -84,8 +84,11 @@ def _make_cell_ddp():
 
         def __setattr__(self, name, value):
             inner = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_gpumagic_built") else None
+            # New public names go to the module, as `model.label = ...` would in a plain cell; DDP's own
+            # attributes (set in its __init__, or private) stay on the wrapper.
             if inner is None or name in self.__dict__ or name == "module" or not (
-                    hasattr(inner, name) or isinstance(value, (torch.nn.Module, torch.nn.Parameter))):
+                    hasattr(inner, name) or not name.startswith("_")
+                    or isinstance(value, (torch.nn.Module, torch.nn.Parameter))):
                 return super().__setattr__(name, value)
             old = getattr(inner, name, None)
             setattr(inner, name, value)
@@ -165,7 +168,7 @@ class UnaveragedParameters(RuntimeError):
     """An optimizer was about to step parameters whose gradients no rank averages."""
 
 
-def refuse_unaveraged_steps(averaged_modules, ns: dict):
+def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str]):
     """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
     module built in the cell, a head added beside the model) would train a different copy on each
     rank, each on its part of the data, and the notebook would get rank 0's. So the first such
@@ -173,9 +176,10 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict):
     raises at the same step, and none waits in a collective for another.
 
     ``averaged_modules()`` gives the modules whose gradients the ranks average, as they are at the
-    step (a wrapper that rebuilt for a replaced layer averages the new layer too). Returns the
-    hook's handle (``.remove()`` it when the cell ends).
+    step (a wrapper that rebuilt for a replaced layer averages the new layer too); ``trained``
+    names them. Returns the hook's handle (``.remove()`` it when the cell ends).
     """
+    before = set(ns)   # the names the cell started with: a module among them is the notebook's
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     passed: set = set()   # (optimizer, its stepped parameters) found all averaged before
 
@@ -189,12 +193,12 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict):
         if not stray:
             passed.add(key)
             return
-        raise UnaveragedParameters(_unaveraged_message(stray, ns))
+        raise UnaveragedParameters(_unaveraged_message(stray, ns, before, trained))
 
     return register_optimizer_step_pre_hook(check)
 
 
-def _unaveraged_message(stray: list, ns: dict) -> str:
+def _unaveraged_message(stray: list, ns: dict, before: set, trained: list[str]) -> str:
     import torch
     wanted = {id(p) for p in stray}
     names: list[str] = []
@@ -211,12 +215,21 @@ def _unaveraged_message(stray: list, ns: dict) -> str:
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     if wanted:
         shown += (", and " if shown else "") + f"{len(wanted)} parameter(s) of no module the cell names"
-    fix = (f"build {', '.join(owners)} in an earlier cell (gpumagic then wraps it in DDP as it does the "
-           "others)" if owners else "make them part of a notebook model")
+    notebook = [o for o in owners if o in before]
+    built = [o for o in owners if o not in before]
+    fixes = []
+    if notebook:
+        fixes.append(f"name {', '.join(notebook)} with the others: --model {','.join(trained + notebook)}")
+    if built:
+        fixes.append(f"build {', '.join(built)} in an earlier cell (gpumagic then wraps it in DDP as it does "
+                     "the others)")
+    if not owners:
+        fixes.append("make them part of a notebook model")
     return (f"the optimizer would step parameters whose gradients no rank averages: {shown}. Each rank "
             "would train its own copy on its part of the data, and the notebook would get rank 0's. "
-            "%%dataparallel averages the gradients of the notebook modules the cell uses as it starts; "
-            f"{fix}; or wrap the model in DistributedDataParallel yourself (then the cell runs in launch mode).")
+            f"%%dataparallel averages the gradients of the modules it wraps ({', '.join(trained) or 'none'}); "
+            f"{'; or '.join(fixes)}; or wrap the model in DistributedDataParallel yourself (then the cell runs "
+            "in launch mode).")
 
 
 class RankDevice(ast.NodeTransformer):
