@@ -111,9 +111,12 @@ def test_a_killed_kernel_takes_the_ranks_loader_workers_along(where):
         # Two ranks, each with two loader workers, all running.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            family = kernel.children(recursive=True)
-            ranks = [p for p in family if any(c.ppid() == p.pid for c in family) and p.ppid() == kernel.pid]
-            loader_workers = [c for r in ranks for c in r.children()]
+            try:
+                family = kernel.children(recursive=True)
+                ranks = [p for p in family if any(c.ppid() == p.pid for c in family) and p.ppid() == kernel.pid]
+                loader_workers = [c for r in ranks for c in r.children()]
+            except psutil.NoSuchProcess:   # a short-lived child ended while we looked: look again
+                ranks, loader_workers = [], []
             if len(ranks) == 2 and len(loader_workers) == 4:
                 break
             time.sleep(0.2)
