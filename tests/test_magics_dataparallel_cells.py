@@ -295,3 +295,15 @@ def test_cluster_start_options_in_the_cell_form_are_refused(shell):
         with pytest.raises(UsageError, match=f"{named} belong\\(s\\) to %dataparallel cluster start"):
             dp_cell(shell, line, "y = 1\n")
     assert "y" not in shell.user_ns
+
+
+def test_a_last_expression_naming_the_trained_model_shows_the_notebooks_own(shell):
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    for name in ("model", "opt"):
+        result, text, _ = run_cell(shell, f"%%dataparallel {CPU2}\nfor x, y in loader:\n"
+                                          "    opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward()\n"
+                                          f"    opt.step()\n{name}\n")
+        assert result.success, text
+        assert result.result is ns[name] and ns["_"] is ns[name]
+    assert "CellDDP" not in text

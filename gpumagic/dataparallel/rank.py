@@ -27,7 +27,7 @@ from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import pack, unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
-from .results import module_settings
+from .results import NotebookName, module_settings
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
@@ -345,7 +345,7 @@ def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "assigned": meta["assigned"],
         "not_returned": [],
         "made": {},
-        "value": _returnable(value),
+        "value": _last_value(value, ns, inner, opts),
         # Functions, classes and modules the cell bound: the kernel runs their statements again.
         "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
     }
@@ -443,6 +443,13 @@ def _detached(value):
     if isinstance(value, dict):
         return {k: _detached(v) for k, v in value.items()}
     return value
+
+
+def _last_value(value, ns: dict, inner: dict, opts: dict):
+    """What the kernel shows for the cell's last expression: a trained notebook object by name."""
+    named = {id(o): n for n, o in [*inner.items(), *opts.items()]}
+    named.update({id(ns[n]): n for n in inner if n in ns})   # the DDP wrapper the cell's name is bound to
+    return NotebookName(named[id(value)]) if value is not None and id(value) in named else _returnable(value)
 
 
 def _returnable(value):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..cell.values import same_tuple_type
 
 __all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned", "module_settings",
-           "adopt_cell_classes"]
+           "adopt_cell_classes", "NotebookName"]
 
 _SETTING_TYPES = (bool, int, float, str, type(None))
 
@@ -60,6 +60,13 @@ class CellResult:
         if self.defined:
             text += f"; defined: {', '.join(self.defined)}"
         return text
+
+
+@dataclass(frozen=True)
+class NotebookName:
+    """The cell's last expression was one of the notebook's own objects the cell trained (``model``,
+    ``opt``): the kernel shows that object, which holds rank 0's state by then."""
+    name: str
 
 
 def module_settings(module) -> dict:

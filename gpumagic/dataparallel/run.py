@@ -45,7 +45,7 @@ from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_me
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .results import CellResult, adopt_cell_classes, cloned, define_in_notebook, load_into_notebook
+from .results import CellResult, NotebookName, adopt_cell_classes, cloned, define_in_notebook, load_into_notebook
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
         not_returned=state.get("not_returned", []) + not_defined,
-        value=state.get("value"),
+        value=ns.get(state["value"].name) if isinstance(state.get("value"), NotebookName) else state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
         returned_bytes=payload.get("returned_bytes", 0),
