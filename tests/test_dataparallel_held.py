@@ -41,6 +41,8 @@ def _trained_meta_model(shell) -> dict:
 def test_other_ranks_or_a_ddp_cell_are_refused_while_only_the_workers_hold_the_model(shell):
     ns = _trained_meta_model(shell)
     pids = poolmod.current_pool(POOL_NAME).pids
+    assert "only these workers hold model, opt (--strategy fsdp): stopping them loses it" in \
+        run_cell(shell, "%dataparallel status")[1]
     with pytest.raises(UsageError, match=r"would start new workers, and only the current ones hold model's "
                                          r"weights, opt's state .*--devices cpu --nprocs 2"):
         dp_cell(shell, "--strategy fsdp --devices cpu --nprocs 3", TRAIN)

@@ -32,19 +32,21 @@ def cluster_status(ranks) -> display.Rendered:
                             f"<b>{head}</b>" + display.html_table(rows, header))
 
 
-def pool_status() -> display.Rendered:
-    """The ``%%dataparallel`` worker pool: state, backend, rendezvous, and each rank's device and pid;
-    the cluster's ranks instead while ``--cluster`` cells use one."""
+def pool_status(ns: dict | None = None) -> display.Rendered:
+    """The ``%%dataparallel`` worker pool: state, backend, rendezvous, each rank's device and pid, and
+    what only its workers hold (``ns``: the notebook's names); the cluster's ranks too, while
+    ``--cluster`` cells use one."""
+    from ..dataparallel import held
     from ..dataparallel.cluster_setup import current_cluster
     from ..dataparallel.plan import POOL_NAME
     from ..procs import pool as poolmod
     ranks = current_cluster()
-    if ranks is not None:
-        return cluster_status(ranks)
+    cluster = cluster_status(ranks) if ranks is not None else None
     pool = poolmod.current_pool(POOL_NAME)
     if pool is None:
-        return display.Rendered("%%dataparallel pool: not started (the first %%dataparallel cell starts it)",
-                                "<b>%%dataparallel pool</b>: not started (the first %%dataparallel cell starts it)")
+        return cluster or display.Rendered(
+            "%%dataparallel pool: not started (the first %%dataparallel cell starts it)",
+            "<b>%%dataparallel pool</b>: not started (the first %%dataparallel cell starts it)")
     st = pool.status()
     head = (f"%%dataparallel pool: {st['state']}, {st['world_size']} rank(s), backend {st['backend']}, "
             f"rendezvous {st['rendezvous'] or '-'}, started in {st['start_seconds'] or 0:.1f} s, "
@@ -52,11 +54,17 @@ def pool_status() -> display.Rendered:
     cached = pool.held
     if cached:
         head += f", {len(cached)} large tensor(s) kept in the workers"
+    only_here = held.held_names(ns) if ns is not None else []
+    if only_here:
+        head += f"; only these workers hold {', '.join(only_here)} (--strategy fsdp): stopping them loses it"
     header = ["rank", "device", "name", "pid", "alive", "memory (RSS)"]
     rows = [[str(r["rank"]), r["device"], r.get("device_name") or "", str(r["pid"]), "yes" if r["alive"] else "no",
              display.fmt_bytes(r["rss"])] for r in st["ranks"]]
-    return display.Rendered(head + "\n" + display.text_table(rows, header),
-                            f"<b>{head}</b>" + display.html_table(rows, header))
+    local = display.Rendered(head + "\n" + display.text_table(rows, header),
+                             f"<b>{head}</b>" + display.html_table(rows, header))
+    if cluster is None:
+        return local
+    return display.Rendered(cluster.text + "\n\n" + local.text, f"{cluster.html_text}<br>{local.html_text}")
 
 
 @magics_class
@@ -230,7 +238,7 @@ class DataParallelMagics(Magics):
             display.note("%%dataparallel pool stopped" if stopped else "%%dataparallel pool was not running")
             held.lost("%dataparallel stop ended them", self.shell.user_ns)
             return None
-        shown = pool_status()
+        shown = pool_status(self.shell.user_ns)
         if display.widgets_supported(self.shell):
             from IPython.display import display as show
             show(shown)
