@@ -16,8 +16,8 @@
 #   suite       pytest -m "gpu or gpu2" tests
 #
 # LOGDIR is $OUT where that is set (the lent machine brings it back), else artifacts/gpu.
-# Benchmarks append to benchmarks/RESULTS.md; a copy of it, and of benchmarks/logs/, goes to
-# LOGDIR after every part, so that the numbers come back even when a later part runs out of time.
+# Benchmarks append to benchmarks/RESULTS.md; a copy of it, and the benchmark logs this run wrote,
+# go to LOGDIR after every part, so that the numbers come back even when a later part runs out of time.
 # Exits non-zero if any part failed or ran out of time; the other parts still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,8 @@ logdir="${OUT:-artifacts/gpu}"
 mkdir -p "$logdir"
 python="${PYTHON:-python3}"
 status=0
+stamp="$(mktemp)"   # benchmark logs newer than this are this run's
+trap 'rm -f "$stamp"' EXIT
 
 if [[ $# -eq 0 ]]; then
     sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
@@ -44,7 +46,8 @@ part() {
     tail -n 4 "$logdir/$name.log" | head -n 3
     [[ $rc -eq 0 ]] || status=1
     cp benchmarks/RESULTS.md "$logdir/RESULTS.md"
-    mkdir -p "$logdir/logs" && cp -r benchmarks/logs/. "$logdir/logs/" 2>/dev/null
+    # only the logs this run wrote: the machine brings back a limited number of files
+    find benchmarks/logs -type f -newer "$stamp" -exec cp {} "$logdir/" \; 2>/dev/null
     return 0
 }
 
