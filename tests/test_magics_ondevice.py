@@ -372,13 +372,19 @@ def test_move_modules_in_place_and_tensors_rebound(shell):
     ns = shell.user_ns
     sq, x = ns["sq"], ns["x"]
     sq_bytes = sum(p.nelement() * p.element_size() for p in sq.parameters())
-    result, out = ok(shell, "%%ondevice meta --move sq,x --move bias\nprobe = x.device\n")
-    assert ns["sq"] is sq and all(p.is_meta for p in sq.parameters())
-    assert ns["x"] is not x and ns["x"].is_meta and ns["probe"] == torch.device("meta")
-    assert isinstance(ns["bias"], torch.nn.Parameter) and ns["bias"].is_meta
+    params = [(p, p.detach().clone()) for p in sq.parameters()]
+    bias = ns["bias"]
+    result, out = ok(shell, "%%ondevice meta --move sq,x --move bias\nprobe = (x.device, bias.device, "
+                            "[p.device.type for p in sq.parameters()])\n")
+    # in the cell they were on meta ...
+    assert ns["probe"] == (torch.device("meta"), torch.device("meta"), ["meta"] * len(params))
+    assert "(for this cell: a dry run; they are put back after it)" in out
     assert f"moved to meta: sq (Sequential, {sq_bytes / 1024:.1f} KiB), x (tensor, 16 B), bias (tensor, 12 B)" in out
-    _, out = ok(shell, "%%ondevice meta --move x\npass\n")
-    assert "already on meta: x" in out
+    # ... and after it, meta holding no values, the same objects with their values are back
+    assert ns["sq"] is sq and all(p is q and torch.equal(p, v) for (q, v), p in zip(params, sq.parameters()))
+    assert ns["x"] is x and ns["bias"] is bias and torch.equal(x, torch.ones(4))
+    _, out = ok(shell, "%%ondevice meta --move x\nx = torch.zeros(2, device='meta')\n")
+    assert ns["x"].is_meta and ns["x"].shape == (2,)   # what the cell bound to the name stays
 
 
 @pytest.mark.parametrize("name, message", [("nope", "no such variable"), ("n", "is a int, not a tensor")])

@@ -2,7 +2,8 @@
 
 Names are checked before anything changes (:func:`plan_moves`), then modules
 move in place and tensors are rebound (:func:`apply_moves`); :func:`move_note`
-says what moved.
+says what moved. A move to ``meta`` is for a dry run: meta tensors hold no
+values, so :class:`DryRunMoves` puts the originals back after the cell.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from ..display import fmt_bytes
 from ..errors import usage_error
 
-__all__ = ["Moved", "plan_moves", "apply_moves", "move_note"]
+__all__ = ["Moved", "plan_moves", "apply_moves", "move_note", "DryRunMoves"]
 
 
 @dataclass
@@ -84,3 +85,41 @@ def move_note(moved: list[Moved], device) -> str | None:
     if stayed:
         parts.append(f"already on {device}: {', '.join(stayed)}")
     return "; ".join(parts)
+
+
+class DryRunMoves:
+    """The values ``--move`` to ``meta`` replaces, kept to be put back after the cell.
+
+    Make it before :func:`apply_moves` and call :meth:`moved` after it; :meth:`put_back`
+    then puts back each parameter and buffer that is still on meta (the same objects), and
+    rebinds each tensor name the cell did not bind to something else.
+    """
+
+    def __init__(self, namespace: dict, names: list[str]):
+        import torch
+        self.namespace, self.names = namespace, names
+        self.tensors = {n: namespace[n] for n in names if isinstance(namespace[n], torch.Tensor)}
+        # (module, "_parameters" or "_buffers", name, the tensor before the move): moving to meta makes
+        # new Parameter objects, so the originals go back by name, optimizers' references intact
+        self.held: list = []
+        for n in names:
+            value = namespace[n]
+            if isinstance(value, torch.nn.Module):
+                for sub in value.modules():
+                    for where in ("_parameters", "_buffers"):
+                        self.held += [(sub, where, k, t) for k, t in getattr(sub, where).items() if t is not None]
+        self.after: dict = {}
+
+    def moved(self) -> None:
+        """Note what the tensor names are bound to after the move (the meta copies)."""
+        self.after = {n: self.namespace.get(n) for n in self.tensors}
+
+    def put_back(self) -> None:
+        """The originals back where the cell left meta copies."""
+        for n, original in self.tensors.items():
+            if self.namespace.get(n) is self.after.get(n):
+                self.namespace[n] = original
+        for sub, where, k, original in self.held:
+            current = getattr(sub, where).get(k)
+            if current is not None and current.is_meta:
+                getattr(sub, where)[k] = original

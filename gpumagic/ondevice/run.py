@@ -38,7 +38,7 @@ from ..cell.device_values import settle, settle_note
 from ..cell.names import names_assigned
 from ..cell.placement import PlacementRewriter, follow, helper_name, made_for, modules_on
 from ..errors import usage_error
-from .moves import Moved, apply_moves, move_note, plan_moves
+from .moves import DryRunMoves, Moved, apply_moves, move_note, plan_moves
 from .streams import SideStream, side_stream
 
 logger = logging.getLogger(__name__)
@@ -277,9 +277,14 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     if target.type == "cuda":
         _check_torch_cuda(torch, target)
     result = OnDeviceResult(device=device, rewrites=rewriter.rewrites if rewriter else 0)
+    # A meta tensor holds no values: moving there is for the cell only, and the originals come back.
+    dry_run = DryRunMoves(namespace, to_move) if to_move and target.type == "meta" else None
     if to_move:
         result.moved = apply_moves(namespace, to_move, device)
         said = move_note(result.moved, device)
+        if dry_run is not None:
+            dry_run.moved()
+            said = f"{said} (for this cell: a dry run; they are put back after it)" if said else said
         if note is not None and said:
             note(said)
 
@@ -317,6 +322,8 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
             _synchronize(torch, target)
     finally:
         scope.exit()
+        if dry_run is not None:
+            dry_run.put_back()
         if rewriter is not None:
             _settle(namespace, compiled.tree, target, device, note)
     return result
