@@ -228,6 +228,9 @@ def test_fork_trains_the_notebook_model(shell):
     assert "[rank 0] rank 0 of 2 finished" in out and "[rank 1] rank 1 of 2 finished" in out
     assert "sharedtrain: 2 workers (fork) on cpu trained 'model'" in out
     assert "loss rank 1:" in out  # the per-worker loss sparkline
+    # what the cell bound stays in each worker: said, and not in the notebook
+    assert "bound in the workers only, each its own, gone with them: loss; report(name=value)" in out
+    assert "loss" not in ns
     assert trained.first_step is not None and trained.samples_per_s > 0
     hygiene.check(shell, [w.pid for w in trained.workers])
     del model, trained, result
@@ -576,8 +579,12 @@ def test_a_loader_read_by_a_notebook_function_is_split_and_its_steps_counted(she
 def test_unreasonable_counts_and_seeds_are_refused_before_any_process(shell):
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
     before = _children()
+    run_cell(shell, "other = torch.nn.Linear(2, 2)")
     for line, says in [("--nprocs 100000", "--oversubscribe"), ("--seed 99999999999999999999", "a seed is"),
-                       ("--seed -5", "a seed is")]:
+                       ("--seed -5", "a seed is"),
+                       ("--model other", "--model other: the cell does not use other, so nothing would train it "
+                                         "(the workers' copies of what the cell does use would be dropped); "
+                                         "valid choices: --model model")]:
         result, out, _ = run_cell(shell, f"%%sharedtrain {line}\nmodel(torch.ones(1, 8))\n")
         assert isinstance(result.error_in_exec, UsageError) and says in str(result.error_in_exec), out
     assert _children() == before and not shell.user_ns["model"].weight.is_shared()

@@ -55,7 +55,7 @@ from collections.abc import Callable
 import torch
 
 from ..cell.compile import compile_cell, compile_plain, is_empty
-from ..cell.names import names_assigned, names_tree, notebook_names, used_names
+from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers
 from ..errors import usage_error
 from ..procs import forkserver
@@ -230,7 +230,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         result.history.series("loss")
     """
     __tracebackhide__ = True
-    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions
+    import torch.multiprocessing  # registers torch's shared-memory reductions (and binds torch)
 
     started = time.monotonic()
     shell, ns = _shell_and_ns(target)
@@ -243,6 +243,11 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
     probe = names_tree(used)
     modules = find_modules(probe, ns, [model] if model else None)
+    if model and model not in used:
+        read = [n for n in used if isinstance(ns.get(n), torch.nn.Module)]
+        raise usage_error(f"--model {model}: the cell does not use {model}, so nothing would train it "
+                          f"(the workers' copies of what the cell does use would be dropped)",
+                          [f"--model {n}" for n in read] or ["a cell that uses " + model])
     device_name, move = resolve_device(device, modules)
     method, reason, fork_server = choose_method(start_method, device_name, nprocs)
     if fork_server == "now":
@@ -252,6 +257,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         from ..display import note
         note(crowded)
     loaders = _loaders(probe, ns, notes)
+    kept_in_workers = [n for n in names_assigned(compiled.tree) if n not in set(loop_targets(compiled.tree))]
+    if kept_in_workers:
+        notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
+                     "report(name=value) sends values back (sharedtrain.history)")
     optimizers = find_optimizers(probe, ns, modules)
 
     strategy, sharing_notes = _share(modules, optimizers, device_name, move)
