@@ -100,7 +100,7 @@ def test_a_function_that_cannot_be_defined_again_is_named(shell):
         first = model(X).shape[0]
         square = lambda v: v * v             # bound by an assignment, not a def
         """)
-    note = cap.stderr.split("left in the workers")[1].splitlines()[0]
+    note = cap.stderr.split("not brought back")[1].splitlines()[0]
     assert "data" in note and "uses (NameError" in note and "square (not bound by a def" in note
 
 
@@ -131,7 +131,7 @@ def test_a_model_built_in_the_cell_comes_back_whole(shell):
     assert type(ns["head"]) is torch.nn.Linear and type(ns["ddp"]) is torch.nn.Linear
     assert float(ns["head"].weight.sum()) == ns["sums"][0] == ns["sums"][1]
     assert "models built in the cell (on the CPU): head, ddp" in cap.stderr
-    assert "hopt" in cap.stderr.split("left in the workers")[1].splitlines()[0]
+    assert "hopt" in cap.stderr.split("not brought back")[1].splitlines()[0]
 
 
 def test_a_large_tensor_changed_in_place_between_cells_reaches_the_ranks(shell):

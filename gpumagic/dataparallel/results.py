@@ -31,7 +31,7 @@ class CellResult:
     made: list[str] = field(default_factory=list)            # models the cell built, brought back whole
     stayed: list[str] = field(default_factory=list)          # fsdp: trained state kept sharded in the workers
     strategy: str = "ddp"
-    not_returned: list[str] = field(default_factory=list)    # assigned names left in the workers
+    not_returned: list[str] = field(default_factory=list)    # assigned names not brought back (they end with the cell)
     value: object = None                                     # rank 0's last expression
     per_rank: dict = field(default_factory=dict)             # rank -> steps, samples, seconds
     pids: list = field(default_factory=list)

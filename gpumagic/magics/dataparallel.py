@@ -190,7 +190,8 @@ class DataParallelMagics(Magics):
             exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
             raise exc
         if result.not_returned:
-            display.note("left in the workers (not plain values): " + ", ".join(result.not_returned))
+            display.note("not brought back (not plain values; they end with the cell): "
+                         + ", ".join(result.not_returned))
         display.note(result.summary())
         return result.value
 
