@@ -283,6 +283,26 @@ def test_torch_cuda_calls_run_without_cuda(target):
     assert torch.cuda.is_initialized() == cuda_before
 
 
+def test_mixed_precision_written_for_cuda_runs_in_the_cpus(recwarn):
+    """autocast('cuda') and CUDA's GradScaler would turn themselves off on a CPU (a warning, float32):
+    off a GPU they are the CPU's, so the cell computes in the dtype it asked for."""
+    ns = run("""
+        m = torch.nn.Linear(4, 4).cuda()
+        x = torch.randn(2, 4).cuda()
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            a = m(x)
+        with torch.amp.autocast(device_type='cuda', dtype=torch.bfloat16):
+            b = m(x)
+        with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+            c = m(x)
+        scalers = [torch.amp.GradScaler('cuda'), torch.amp.GradScaler(device='cuda'), torch.cuda.amp.GradScaler()]
+    """, "cpu")
+    assert [ns[k].dtype for k in "abc"] == [torch.bfloat16] * 3
+    assert [s._device for s in ns["scalers"]] == ["cpu"] * 3
+    assert not [w for w in recwarn if "CUDA is not available" in str(w.message)]
+    assert "__gpumagic_device__.amp(torch.autocast, 'cuda'" in rewritten("torch.autocast('cuda')")
+
+
 # -- hygiene -------------------------------------------------------------------------------
 
 def test_rewrite_keeps_line_numbers():

@@ -160,6 +160,40 @@ class CudaCalls:
     def map(self, device):  # Placement's
         raise NotImplementedError
 
+    # -- mixed precision --------------------------------------------------------
+    def amp(self, fn, *args, **kwargs):
+        """``torch.autocast('cuda', ...)``, ``torch.amp.GradScaler('cuda')``: on a CPU or meta DEVICE, the
+        CPU's autocast and scaler (which run bf16 and fp16 too), not CUDA's, which would turn
+        themselves off with a warning right after ``is_available()`` said True."""
+        __tracebackhide__ = True
+        if self.target is None or self._kind == "cuda":
+            return fn(*args, **kwargs)
+        if args:
+            args = (self._amp_type(args[0]), *args[1:])
+        for key in ("device_type", "device"):
+            if key in kwargs:
+                kwargs[key] = self._amp_type(kwargs[key])
+        return fn(*args, **kwargs)
+
+    def amp_cuda_autocast(self, fn, enabled=True, dtype=None, cache_enabled=True):
+        """``torch.cuda.amp.autocast(...)``: ``torch.autocast('cpu', ...)`` off a GPU."""
+        __tracebackhide__ = True
+        if self.target is None or self._kind == "cuda":
+            return fn(enabled, *([] if dtype is None else [dtype]), cache_enabled)
+        return self._torch.autocast("cpu", dtype=dtype or self._torch.bfloat16, enabled=enabled,
+                                    cache_enabled=cache_enabled)
+
+    def amp_cuda_scaler(self, fn, *args, **kwargs):
+        """``torch.cuda.amp.GradScaler(...)``: ``torch.amp.GradScaler('cpu', ...)`` off a GPU."""
+        __tracebackhide__ = True
+        if self.target is None or self._kind == "cuda":
+            return fn(*args, **kwargs)
+        return self._torch.amp.GradScaler("cpu", *args, **kwargs)
+
+    def _amp_type(self, device):
+        kind = device.type if isinstance(device, self._torch.device) else str(device).split(":")[0]
+        return "cpu" if kind == "cuda" else kind
+
     # -- devices ----------------------------------------------------------------
     def cuda_is_available(self, fn) -> bool:
         __tracebackhide__ = True

@@ -61,6 +61,9 @@ _CUDA_CALLS = {
     "torch.accelerator.synchronize": "cuda_synchronize", "torch.accelerator.device_index": "cuda_device",
     "torch.accelerator.current_accelerator": "accelerator", "torch.accelerator.current_stream": "stream_current",
     "torch.accelerator.set_stream": "stream_set",
+    # Mixed precision names a device type: 'cuda' means DEVICE's (see CudaCalls.amp).
+    "torch.autocast": "amp", "torch.amp.autocast": "amp", "torch.amp.GradScaler": "amp",
+    "torch.cuda.amp.autocast": "amp_cuda_autocast", "torch.cuda.amp.GradScaler": "amp_cuda_scaler",
     # A name one of the two lacks still fails as written: the original is looked up first.
     **{f"torch.{api}.{n}": "query" for api in ("cuda", "accelerator") for n in _QUERIES},
 }
