@@ -307,3 +307,13 @@ def test_a_last_expression_naming_the_trained_model_shows_the_notebooks_own(shel
         assert result.success, text
         assert result.result is ns[name] and ns["_"] is ns[name]
     assert "CellDDP" not in text
+
+
+def test_code_that_refuses_the_ddp_wrapper_gets_a_hint_to_launch(shell):
+    """A framework reached in a way detection misses (getattr, a helper module) checks the model's type."""
+    run_cell(shell, SETUP)
+    result, text, _ = run_cell(shell, f"%%dataparallel {CPU2}\nfor x, y in loader:\n"
+                                      "    if not isinstance(model, torch.nn.Sequential):\n"
+                                      "        raise TypeError(f'model must be a Sequential, got {type(model)}')\n")
+    assert isinstance(result.error_in_exec, WorkerError)
+    assert "handed gpumagic's DDP wrapper (CellDDP) and refused it" in text and "run it with --launch" in text

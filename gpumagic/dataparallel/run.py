@@ -328,10 +328,14 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
 
     try:
         results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)
-    except BaseException:
+    except BaseException as exc:
         pool.held = set()
         pool.fsdp_records = None   # the ranks dropped their shards
         held.lost("the cell failed, so they dropped what they kept", shell.user_ns)
+        if "CellDDP" in str(exc) and not meta.get("launch"):
+            # a framework the cell reaches in a way detection missed (getattr, a helper module) got our wrapper
+            note("%%dataparallel: the cell's code was handed gpumagic's DDP wrapper (CellDDP) and refused it: if "
+                 "the cell distributes by itself (a framework's trainer, your own DDP), run it with --launch")
         if writing:
             note("%%dataparallel --strategy fsdp: stopped while rank 0 was writing the trained state into the "
                  "notebook's tensors: the model and optimizer hold a mix of their state before and after the "
