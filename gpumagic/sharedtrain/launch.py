@@ -243,11 +243,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
     probe = names_tree(used)
     modules = find_modules(probe, ns, [model] if model else None)
-    if model and model not in used:
-        read = [n for n in used if isinstance(ns.get(n), torch.nn.Module)]
-        raise usage_error(f"--model {model}: the cell does not use {model}, so nothing would train it "
-                          f"(the workers' copies of what the cell does use would be dropped)",
-                          [f"--model {n}" for n in read] or ["a cell that uses " + model])
+    unused_model = model if model and model not in used else None
     device_name, move = resolve_device(device, modules)
     method, reason, fork_server = choose_method(start_method, device_name, nprocs)
     if fork_server == "now":
@@ -257,6 +253,11 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         from ..display import note
         note(crowded)
     loaders = _loaders(probe, ns, notes)
+    if unused_model:
+        read = [n for n in used if isinstance(ns.get(n), torch.nn.Module)]
+        notes.append(f"--model {unused_model}: the cell does not use {unused_model}, so nothing trains it"
+                     + (f"; what it trains of {', '.join(read)} stays in the workers (--model {read[0]} shares "
+                        "it)" if read else ""))
     kept_in_workers = [n for n in names_assigned(compiled.tree) if n not in set(loop_targets(compiled.tree))]
     if kept_in_workers:
         notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
