@@ -18,36 +18,24 @@ import builtins
 import copy
 import logging
 import time
-import types
 
 from ..cell.compile import register_source
-from ..cell.values import is_plain_value, same_tuple_type
 from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
-from ..procs.wire import pack, unpack_namespace
+from ..procs.wire import unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
-from .results import NotebookName, module_settings
+from .rank_state import pack_state, rank0_state
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["rank_main", "TASK", "RemoteRepr"]
+__all__ = ["rank_main", "TASK"]
 
 TASK = "gpumagic.dataparallel.rank:rank_main"
 PROGRESS_EVERY = 1.0   # seconds between a rank's progress messages
-
-
-class RemoteRepr:
-    """Rank 0's last expression when it cannot travel: shown by its repr."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self):
-        return self.text
 
 
 def _no_ipython():
@@ -142,14 +130,14 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
     buffer = None
     if ctx.rank == 0:
-        state = _rank0_state(ns, meta, inner, opts, value)
+        state = rank0_state(ns, meta, inner, opts, value)
         state["modules"].update(gathered)
         if gathered:
             _drop_sharded_optimizers(state, opts)
         # A module whose layers the cell replaced comes back whole: the notebook's takes its layers.
         state["reshaped"] = {n: m for n, m in inner.items() if n not in gathered and _shapes(m) != shapes_before[n]}
         with forwards_set_aside(inner.values()):   # reshaped models travel whole
-            packed = _pack_state(state, ctx.outgoing)
+            packed = pack_state(state, ctx.outgoing)
         payload["state"] = packed.header
         payload["returned_bytes"] = packed.nbytes
         buffer = packed.data()
@@ -161,9 +149,9 @@ def _gathered_payload(ctx, ns: dict, meta: dict, inner: dict, opts: dict, value,
     (rank 0 writing it into the notebook's tensors or after those values)."""
     prefix = None
     if ctx.rank == 0:
-        state = _rank0_state(ns, meta, inner, opts, value)
+        state = rank0_state(ns, meta, inner, opts, value)
         state["modules"], state["optimizers"] = {}, {}   # these are gathered below, a tensor at a time
-        packed = _pack_state(state, None)
+        packed = pack_state(state, None)
         payload["state"], prefix = packed.header, packed.data()
     gathered, buffer = gather_into_notebook(ctx, meta, inner, opts, prefix)
     payload["fsdp"] = gathered
@@ -332,136 +320,8 @@ def _trained_tensors(tensors: list, inner: dict, opts: dict) -> list:
     return held
 
 
-def _rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
-    import torch
-    state: dict = {
-        "modules": {n: m.state_dict() for n, m in inner.items()},
-        "settings": {n: module_settings(m) for n, m in inner.items()},   # eval(), attributes, requires_grad
-        # a loader's own generator (passed on to the split loader) advanced as it would in one process
-        "generators": {n: ns[n].generator.get_state() for n in meta["loaders"] if ns[n].generator is not None},
-        "optimizers": {n: o.state_dict() for n, o in opts.items()},
-        "stateful": _stateful_states(ns, meta["stateful"]),
-        "values": {},
-        "assigned": meta["assigned"],
-        "not_returned": [],
-        "made": {},
-        "value": _last_value(value, ns, inner, opts),
-        # Functions, classes and modules the cell bound: the kernel runs their statements again.
-        "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
-    }
-    trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
-    for n in meta["return_names"]:
-        if n not in ns:
-            continue
-        v = ns[n]
-        if is_plain_value(v):
-            state["values"][n] = _detached(v)
-        elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
-                and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
-            model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
-            if model is not None and _stands_alone(model, inner):
-                state["made"][n] = model   # a model the cell built: it comes back whole
-            else:
-                state["not_returned"].append(n)
-    return state
-
-
-def _unwrapped(module):
-    """The user's module inside DDP wrappers and torch.compile's OptimizedModule."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def _stands_alone(model, inner: dict) -> bool:
-    """A model of its own: not a framework's wrapper around the notebook's modules (those come back
-    in place) and holding no process-bound wrapper (DDP) inside."""
-    from torch.nn.parallel import DistributedDataParallel
-    mine = {id(m) for m in inner.values()}
-    return not any(id(m) in mine or isinstance(m, DistributedDataParallel) for m in model.modules())
-
-
-def _pack_state(state: dict, scratch):
-    """Pack rank 0's state; a model made in the cell that cannot travel is named instead."""
-    try:
-        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
-    except Exception as exc:
-        if not state["made"]:
-            raise
-        logger.debug("models made in the cell could not be packed", exc_info=True)
-        state["not_returned"] += [f"{n} ({type(exc).__name__}: {exc})" for n in state["made"]]
-        state["made"] = {}
-        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
-
-
 def _shapes(module) -> dict:
     return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-
-
-def _stateful_states(ns: dict, names: list) -> dict:
-    states = {}
-    for n in names:
-        try:
-            states[n] = ns[n].state_dict()
-        except Exception:  # its state stays in the workers; the notebook keeps the object as it was
-            logger.debug("state_dict() of %r failed", n, exc_info=True)
-    return states
-
-
-def _all_cpu(state) -> dict:
-    import torch
-    targets = {}
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            targets[id(o)] = "cpu"
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-    walk(state)
-    return targets
-
-
-def _detached(value):
-    """Plain values without autograd history (``loss`` kept as a tensor is common)."""
-    import torch
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, tuple):
-        return same_tuple_type(value, [_detached(v) for v in value])
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
-def _last_value(value, ns: dict, inner: dict, opts: dict):
-    """What the kernel shows for the cell's last expression: a trained notebook object by name."""
-    named = {id(o): n for n, o in [*inner.items(), *opts.items()]}
-    named.update({id(ns[n]): n for n in inner if n in ns})   # the DDP wrapper the cell's name is bound to
-    return NotebookName(named[id(value)]) if value is not None and id(value) in named else _returnable(value)
-
-
-def _returnable(value):
-    import torch
-    if value is None or is_plain_value(value):
-        return value
-    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
-        return value.detach()
-    numpy = __import__("sys").modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return value
-    return RemoteRepr(repr(value))
 
 
 def _apply_flags(flags: dict) -> None:

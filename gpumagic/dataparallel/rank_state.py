@@ -1,0 +1,160 @@
+"""What rank 0 sends back after a ``%%dataparallel`` cell: the worker's side of :mod:`.results`.
+
+:func:`rank0_state` collects the trained modules' and optimizers' state, what the
+cell set on the modules besides their tensors, stateful objects (schedulers), the
+plain values the cell bound, models the cell built (whole), and its last
+expression; :func:`pack_state` packs it for the kernel, every tensor on the CPU.
+Values that cannot travel are named, never silently dropped.
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+from ..cell.values import is_plain_value, same_tuple_type
+from ..procs.wire import pack
+from .results import NotebookName, module_settings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["rank0_state", "pack_state", "RemoteRepr"]
+
+
+class RemoteRepr:
+    """Rank 0's last expression when it cannot travel: shown by its repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
+    import torch
+    state: dict = {
+        "modules": {n: m.state_dict() for n, m in inner.items()},
+        "settings": {n: module_settings(m) for n, m in inner.items()},   # eval(), attributes, requires_grad
+        # a loader's own generator (passed on to the split loader) advanced as it would in one process
+        "generators": {n: ns[n].generator.get_state() for n in meta["loaders"] if ns[n].generator is not None},
+        "optimizers": {n: o.state_dict() for n, o in opts.items()},
+        "stateful": _stateful_states(ns, meta["stateful"]),
+        "values": {},
+        "assigned": meta["assigned"],
+        "not_returned": [],
+        "made": {},
+        "value": _last_value(value, ns, inner, opts),
+        # Functions, classes and modules the cell bound: the kernel runs their statements again.
+        "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
+    }
+    trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
+    for n in meta["return_names"]:
+        if n not in ns:
+            continue
+        v = ns[n]
+        if is_plain_value(v):
+            state["values"][n] = _detached(v)
+        elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
+                and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
+            model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
+            if model is not None and _stands_alone(model, inner):
+                state["made"][n] = model   # a model the cell built: it comes back whole
+            else:
+                state["not_returned"].append(n)
+    return state
+
+
+def _unwrapped(module):
+    """The user's module inside DDP wrappers and torch.compile's OptimizedModule."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _stands_alone(model, inner: dict) -> bool:
+    """A model of its own: not a framework's wrapper around the notebook's modules (those come back
+    in place) and holding no process-bound wrapper (DDP) inside."""
+    from torch.nn.parallel import DistributedDataParallel
+    mine = {id(m) for m in inner.values()}
+    return not any(id(m) in mine or isinstance(m, DistributedDataParallel) for m in model.modules())
+
+
+def pack_state(state: dict, scratch):
+    """Pack rank 0's state; a model made in the cell that cannot travel is named instead."""
+    try:
+        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
+    except Exception as exc:
+        if not state["made"]:
+            raise
+        logger.debug("models made in the cell could not be packed", exc_info=True)
+        state["not_returned"] += [f"{n} ({type(exc).__name__}: {exc})" for n in state["made"]]
+        state["made"] = {}
+        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
+
+
+def _stateful_states(ns: dict, names: list) -> dict:
+    states = {}
+    for n in names:
+        try:
+            states[n] = ns[n].state_dict()
+        except Exception:  # its state stays in the workers; the notebook keeps the object as it was
+            logger.debug("state_dict() of %r failed", n, exc_info=True)
+    return states
+
+
+def _all_cpu(state) -> dict:
+    import torch
+    targets = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            targets[id(o)] = "cpu"
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(state)
+    return targets
+
+
+def _detached(value):
+    """Plain values without autograd history (``loss`` kept as a tensor is common)."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, tuple):
+        return same_tuple_type(value, [_detached(v) for v in value])
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _last_value(value, ns: dict, inner: dict, opts: dict):
+    """What the kernel shows for the cell's last expression: a trained notebook object by name."""
+    named = {id(o): n for n, o in [*inner.items(), *opts.items()]}
+    named.update({id(ns[n]): n for n in inner if n in ns})   # the DDP wrapper the cell's name is bound to
+    return NotebookName(named[id(value)]) if value is not None and id(value) in named else _returnable(value)
+
+
+def _returnable(value):
+    import torch
+    if value is None or is_plain_value(value):
+        return value
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        return value.detach()
+    numpy = __import__("sys").modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return value
+    return RemoteRepr(repr(value))
