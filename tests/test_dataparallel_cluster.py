@@ -145,14 +145,16 @@ def cell(shell, line: str, body: str):
 
 
 def status_rows(shell) -> tuple[str, list[dict]]:
-    """``%dataparallel status``'s text and its table's rows."""
+    """``%dataparallel status``'s text and its cluster table's rows (a local pool's table, listed after
+    it when one runs too, ends at the blank line)."""
+    import itertools
     with capture_output() as cap:
         shell.run_line_magic("dataparallel", "status")
     text = cap.stdout
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "host"])
     header = lines[at].split()
-    rows = [dict(zip(header, line.split())) for line in lines[at + 2:] if line.strip()]
+    rows = [dict(zip(header, line.split())) for line in itertools.takewhile(str.strip, lines[at + 2:])]
     return text, rows
 
 
