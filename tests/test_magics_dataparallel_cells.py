@@ -7,6 +7,8 @@ distributes gets a warning instead of repeating the work silently.
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -149,7 +151,8 @@ def test_a_large_tensor_changed_in_place_between_cells_reaches_the_ranks(shell):
     assert ns["before"] != 0 and ns["seen"] == ns["before"] == ns["model"].weight.sum().item()
 
 
-@pytest.mark.parametrize("case", ["model built in the cell", "head built beside the model", "left out of --model"])
+@pytest.mark.parametrize("case", ["model built in the cell", "head built beside the model", "left out of --model",
+                                  "unfrozen in the cell"])
 def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case):
     """DDP averages the notebook modules the cell starts with; a module built in the cell would train
     one copy per rank, each on half the data. The first step of it raises on every rank, naming it."""
@@ -179,6 +182,11 @@ def test_a_module_built_in_the_cell_is_refused_before_its_first_step(shell, case
             line += " --model model"
             body = "\n".join(b for b in body.splitlines() if "head = " not in b and "hopt = " not in b)
             named, at, fix = "head.weight, head.bias", 6, "name head with the others: --model model,head"
+        if case == "unfrozen in the cell":   # frozen as the cell starts: not wrapped, and then trained
+            run_cell(shell, "head.requires_grad_(False)")
+            body = "head.requires_grad_(True)\n" + "\n".join(
+                b for b in textwrap.dedent(body).splitlines() if "head = " not in b and "hopt = " not in b)
+            named, at, fix = "head.weight, head.bias", 7, "unfreeze head in an earlier cell"
     with pytest.raises(WorkerError) as err:
         dp_cell(shell, line, body)
     text = str(err.value)

@@ -108,7 +108,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         # FSDP the modules it sharded. Stepping anything else would train a copy per rank.
         wrapped = [name for name, m in inner.items() if fsdp or ns.get(name) is not m]
         averaged = [inner[name] for name in wrapped]
-        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped) if ctx.world_size > 1 else None
+        frozen = [name for name in inner if name not in wrapped]
+        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
         try:
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:

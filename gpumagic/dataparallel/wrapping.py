@@ -168,7 +168,7 @@ class UnaveragedParameters(RuntimeError):
     """An optimizer was about to step parameters whose gradients no rank averages."""
 
 
-def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str]):
+def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] = ()):
     """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
     module built in the cell, a head added beside the model) would train a different copy on each
     rank, each on its part of the data, and the notebook would get rank 0's. So the first such
@@ -177,7 +177,8 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str]):
 
     ``averaged_modules()`` gives the modules whose gradients the ranks average, as they are at the
     step (a wrapper that rebuilt for a replaced layer averages the new layer too); ``trained``
-    names them. Returns the hook's handle (``.remove()`` it when the cell ends).
+    names them, ``frozen`` the notebook modules left unwrapped (no trainable parameters as the cell
+    started). Returns the hook's handle (``.remove()`` it when the cell ends).
     """
     before = set(ns)   # the names the cell started with: a module among them is the notebook's
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -193,12 +194,12 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str]):
         if not stray:
             passed.add(key)
             return
-        raise UnaveragedParameters(_unaveraged_message(stray, ns, before, trained))
+        raise UnaveragedParameters(_unaveraged_message(stray, ns, before, trained, list(frozen)))
 
     return register_optimizer_step_pre_hook(check)
 
 
-def _unaveraged_message(stray: list, ns: dict, before: set, trained: list[str]) -> str:
+def _unaveraged_message(stray: list, ns: dict, before: set, trained: list[str], frozen: list[str]) -> str:
     import torch
     wanted = {id(p) for p in stray}
     names: list[str] = []
@@ -215,9 +216,13 @@ def _unaveraged_message(stray: list, ns: dict, before: set, trained: list[str]) 
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     if wanted:
         shown += (", and " if shown else "") + f"{len(wanted)} parameter(s) of no module the cell names"
-    notebook = [o for o in owners if o in before]
+    unfrozen = [o for o in owners if o in frozen]
+    notebook = [o for o in owners if o in before and o not in frozen]
     built = [o for o in owners if o not in before]
     fixes = []
+    if unfrozen:
+        fixes.append(f"unfreeze {', '.join(unfrozen)} in an earlier cell (it had no trainable parameters as this "
+                     "cell started, so it was not wrapped)")
     if notebook:
         fixes.append(f"name {', '.join(notebook)} with the others: --model {','.join(trained + notebook)}")
     if built:
