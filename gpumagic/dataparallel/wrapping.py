@@ -168,7 +168,7 @@ class UnaveragedParameters(RuntimeError):
     """An optimizer was about to step parameters whose gradients no rank averages."""
 
 
-def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] = ()):
+def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] | None = None):
     """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
     module built in the cell, a head added beside the model) would train a different copy on each
     rank, each on its part of the data, and the notebook would get rank 0's. So the first such
@@ -194,7 +194,7 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], froz
         if not stray:
             passed.add(key)
             return
-        raise UnaveragedParameters(_unaveraged_message(stray, ns, before, trained, list(frozen)))
+        raise UnaveragedParameters(_unaveraged_message(stray, ns, before, trained, list(frozen or [])))
 
     return register_optimizer_step_pre_hook(check)
 
