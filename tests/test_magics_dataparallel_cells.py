@@ -325,3 +325,56 @@ def test_code_that_refuses_the_ddp_wrapper_gets_a_hint_to_launch(shell):
                                       "        raise TypeError(f'model must be a Sequential, got {type(model)}')\n")
     assert isinstance(result.error_in_exec, WorkerError)
     assert "handed gpumagic's DDP wrapper (CellDDP) and refused it" in text and "run it with --launch" in text
+
+
+def _train_cell() -> str:
+    return ("for x, y in loader:\n"
+            "    opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()\n"
+            "done = sum(float(p.detach().sum()) for p in model.parameters())\n")
+
+
+def test_an_interrupt_while_the_weights_are_written_back_waits_for_the_whole_write(shell, monkeypatch):
+    """Ctrl-C during the write-back would leave some tensors trained and others not: it is held until the
+    write is whole, then raised, with a note."""
+    import os
+    import signal
+
+    from gpumagic.dataparallel import run as runmod
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    load = runmod.load_into_notebook
+
+    def interrupted_load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)     # as Jupyter's interrupt does, in the middle of the write
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(runmod, "load_into_notebook", interrupted_load)
+    result, text, _ = run_cell(shell, f"%%dataparallel {CPU2}\n" + _train_cell())
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "the write was finished first, so the notebook holds the whole result" in text
+    assert sum(float(p.detach().sum()) for p in ns["model"].parameters()) == pytest.approx(ns["done"], abs=1e-5)
+
+
+def test_an_interrupt_after_the_ranks_finished_leaves_the_next_cell_working(shell, monkeypatch):
+    """The ranks already hold the new tensors; the kernel must not count on the old ones next cell."""
+    from gpumagic.procs.output import RankOutput
+    run_cell(shell, SETUP.replace("torch.nn.Linear(8, 16)", "torch.nn.Linear(8, 40000)")   # 1.3 MB: kept
+             .replace("torch.nn.Linear(16, 1)", "torch.nn.Linear(40000, 1)").replace("lr=0.1", "lr=1e-4"))
+    ns = shell.user_ns
+    dp_cell(shell, CPU2, _train_cell())
+    before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
+    flush = RankOutput.flush
+    calls = []
+
+    def interrupted_flush(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return flush(self)
+
+    monkeypatch.setattr(RankOutput, "flush", interrupted_flush)
+    with pytest.raises(KeyboardInterrupt):
+        dp_cell(shell, CPU2, _train_cell())
+    assert all(torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())   # as before the cell
+    dp_cell(shell, CPU2, _train_cell())        # works: the kernel ships what the ranks no longer hold
+    assert sum(float(p.detach().sum()) for p in ns["model"].parameters()) == pytest.approx(ns["done"], abs=1e-3)

@@ -38,6 +38,7 @@ from ..errors import usage_error
 from ..procs.output import RankOutput
 from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
+from ..procs.teardown import interrupts_deferred
 from ..procs.wire import Unshippable, pack_namespace
 from . import held
 from .detect import choose_mode
@@ -243,6 +244,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
                                    stand_ins=shipment.stand_ins if shipment else None)
     except Unshippable as exc:
         raise _unshippable(exc) from None
+    # From here the ranks replace what they hold; until the cell's end says what that is, the
+    # kernel counts on nothing (an interrupt anywhere after this ships everything next time).
+    pool.held = set()
     t_packed = time.monotonic()
     meta = {
         "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
@@ -261,13 +265,20 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
     t_ranks_done = time.monotonic()
     payload, buffer = results[0]
-    state = _load(ns, pool, payload, buffer, survey, shipment)
-    if shipment is not None:
-        held.keep(pool, state.get("stayed", []), ns)
-    defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
-    adopt_cell_classes(ns, state["made_names"], defined)
-    # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
-    pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
+    # Writing the trained state back takes about as long as copying the model once; an interrupt
+    # meanwhile would leave some tensors trained and others not, so it waits for the end.
+    with interrupts_deferred() as interrupted:
+        state = _load(ns, pool, payload, buffer, survey, shipment)
+        if shipment is not None:
+            held.keep(pool, state.get("stayed", []), ns)
+        defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
+        adopt_cell_classes(ns, state["made_names"], defined)
+        # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
+        pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
+    if interrupted:
+        note("%%dataparallel: interrupted while the trained state was written back into the notebook; the "
+             "write was finished first, so the notebook holds the whole result of the cell")
+        raise KeyboardInterrupt
     t_end = time.monotonic()
     started = started or cluster_formed
     pool_start = ((t_pool - t_before_pool) if started else 0.0) + t_cluster
