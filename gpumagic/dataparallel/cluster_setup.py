@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 
 from ..errors import WorkerError, usage_error
+from . import cluster_watch
 from .cluster import ClusterRanks, EngineRank, call_engine
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ __all__ = ["connect", "form", "start_cluster", "stop_cluster", "current_cluster"
 
 _current: ClusterRanks | None = None   # what the last --cluster cell (or cluster start) used
 _started: ClusterRanks | None = None   # the cluster %dataparallel cluster start started
+_watcher: cluster_watch.Watch | None = None   # stops _started if the kernel ends without stopping it
 STARTED = "started"   # --cluster without a value: the cluster %dataparallel cluster start started
 
 
@@ -129,6 +132,11 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
     from .. import session
     client = cluster.start_and_connect_sync()
     session.register_closer("cluster", stop_cluster)   # %unload_ext and exit stop it too
+    global _watcher
+    try:   # ... and a kernel that Jupyter ends before its exit hooks run (cluster_watch)
+        _watcher = cluster_watch.watch(cluster.cluster_file)
+    except (OSError, subprocess.SubprocessError):
+        logger.warning("could not start the watcher that stops the cluster with the kernel", exc_info=True)
     client.wait_for_engines(n or 1, timeout=600)
     global _started
     _started = ClusterRanks(client=client, source=f"the cluster started here ({engines}, {len(client.ids)} engines)",
@@ -150,6 +158,10 @@ def stop_cluster() -> bool:
             started.cluster.stop_cluster_sync()
         except Exception:  # stopping what is already gone
             logger.debug("stopping the cluster failed", exc_info=True)
+    global _watcher
+    if _watcher is not None:
+        _watcher.release()
+        _watcher = None
     return ranks is not None or started is not None
 
 
