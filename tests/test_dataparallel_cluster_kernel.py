@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.cluster_helpers import describe, descendants, wait_gone
+from tests.cluster_helpers import descendants, describe, wait_gone
 from tests.conftest import ROOT
 
 pytest.importorskip("ipyparallel")
