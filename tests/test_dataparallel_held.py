@@ -85,3 +85,13 @@ def test_a_meta_model_in_a_ddp_cell_is_refused_before_anything_starts(shell):
     with pytest.raises(UsageError, match=r"model is on the meta device .*--strategy fsdp"):
         dp_cell(shell, "--devices cpu --nprocs 2", TRAIN)
     assert poolmod.current_pool(POOL_NAME) is None
+
+
+def test_a_second_meta_model_adds_to_what_the_workers_hold(shell):
+    ns = _trained_meta_model(shell)
+    run_cell(shell, "with torch.device('meta'):\n    other = Net(width=32, depth=3)\n"
+                    "other_opt = torch.optim.AdamW(other.parameters(), lr=0.01)\n")
+    dp_cell(shell, FSDP2, TRAIN.replace("model(", "other(").replace("opt.", "other_opt."))
+    text = run_cell(shell, "%dataparallel status")[1]
+    assert "only these workers hold model, opt, other, other_opt (--strategy fsdp)" in text
+    assert all(p.is_meta for p in [*ns["model"].parameters(), *ns["other"].parameters()])

@@ -30,10 +30,14 @@ __all__ = ["keep", "held_names", "check_cell", "lost"]
 _held: dict[str, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def keep(pool, names: list[str], ns: dict) -> None:
-    """After an fsdp cell: ``names`` (bound in ``ns``) are what ``pool``'s workers alone now hold."""
-    _held.clear()
-    for name in names:
+def keep(pool, stayed: list[str], trained: list[str], ns: dict) -> None:
+    """After an fsdp cell on ``pool``: of the ``trained`` names, ``stayed`` (bound in ``ns``) are held by
+    its workers alone now; what an earlier cell left there (another model) stays held too."""
+    if any(ref_pool() is not pool for _, ref_pool in _held.values()):
+        _held.clear()   # other workers: what they held is gone (said when that was found)
+    for name in trained:
+        _held.pop(name, None)
+    for name in stayed:
         if name in ns:
             _held[name] = (weakref.ref(ns[name]), weakref.ref(pool))
 

@@ -270,7 +270,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     with interrupts_deferred() as interrupted:
         state = _load(ns, pool, payload, buffer, survey, shipment)
         if shipment is not None:
-            held.keep(pool, state.get("stayed", []), ns)
+            held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
         defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
         adopt_cell_classes(ns, state["made_names"], defined)
         # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
