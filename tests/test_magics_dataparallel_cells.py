@@ -378,3 +378,19 @@ def test_an_interrupt_after_the_ranks_finished_leaves_the_next_cell_working(shel
     assert all(torch.equal(v, before[k]) for k, v in ns["model"].state_dict().items())   # as before the cell
     dp_cell(shell, CPU2, _train_cell())        # works: the kernel ships what the ranks no longer hold
     assert sum(float(p.detach().sum()) for p in ns["model"].parameters()) == pytest.approx(ns["done"], abs=1e-3)
+
+
+def test_a_model_cast_in_the_cell_keeps_its_new_dtype_in_the_notebook(shell):
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    params = list(ns["model"].parameters())
+    dp_cell(shell, CPU2, """
+        model.double()
+        for x, y in loader:
+            opt.zero_grad(); torch.nn.functional.mse_loss(model(x.double()), y.double()).backward(); opt.step()
+        done = [float(p.detach().sum()) for p in model.parameters()]
+        """)
+    assert list(ns["model"].parameters()) == params and all(p.dtype == torch.float64 for p in params)
+    assert [float(p.detach().sum()) for p in params] == ns["done"]        # float64 sums, not cast to float32
+    result, text, _ = run_cell(shell, "opt.zero_grad()\nmodel(X.double()).sum().backward()\nopt.step()")
+    assert result.success, text                                            # the optimizer still steps them

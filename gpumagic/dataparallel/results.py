@@ -81,6 +81,14 @@ def module_settings(module) -> dict:
     return {"modules": subs, "requires_grad": {n: p.requires_grad for n, p in module.named_parameters()}}
 
 
+def _follow_dtypes(module, got: dict) -> None:
+    """A cell that cast the model (``model.double()``, ``.half()``): the notebook's tensors take the new
+    dtype in place (the same Parameter objects, as after a plain cell), so loading does not cast back."""
+    for key, t in module.state_dict(keep_vars=True).items():
+        if key in got and got[key].dtype != t.dtype:
+            t.data = t.data.to(got[key].dtype)
+
+
 def _apply_settings(module, settings: dict) -> None:
     """:func:`module_settings` of rank 0's module, set on the notebook's (whose structure matches)."""
     for qualname, got in settings["modules"].items():
@@ -130,6 +138,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             if name in reshaped:
                 _adopt_layers(module, reshaped[name])
             else:
+                _follow_dtypes(module, state["modules"][name])
                 module.load_state_dict(state["modules"][name])
             if name in (state.get("settings") or {}):
                 _apply_settings(module, state["settings"][name])
