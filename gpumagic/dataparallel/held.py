@@ -63,11 +63,11 @@ def _pool_line(pool) -> str:
     return "--devices " + ",".join(d.split(":")[-1] for d in devices)
 
 
-def check_cell(ns: dict, used: set, strategy: str, pool, wanted_key: tuple | None) -> None:
+def check_cell(ns: dict, used: set, strategy: str, pool, same_workers: bool) -> None:
     """Before a cell: refuse what would lose or ignore state only the workers hold; note what was lost.
 
-    ``pool`` is the local pool now (or None), ``wanted_key`` what the cell's plan asks of one
-    (``(devices, backend, timeout)``; None on a cluster)."""
+    ``pool`` is the local pool now (or None); ``same_workers``, whether the cell's plan runs on it
+    as it is (:meth:`~gpumagic.procs.pool.WorkerPool.serves`)."""
     names = held_names(ns)
     if not names:
         _held.clear()
@@ -76,7 +76,7 @@ def check_cell(ns: dict, used: set, strategy: str, pool, wanted_key: tuple | Non
     if holder is None or not holder.alive or holder is not pool:
         lost("their workers ended", ns)
         return
-    if wanted_key is not None and (holder.key, holder.timeout) != (wanted_key[:2], wanted_key[2]):
+    if not same_workers:
         raise usage_error(
             f"this cell would start new workers, and only the current ones hold {_listing(names, ns)} "
             f"({'on the meta device' if any(_kind(n, ns).endswith('weights') for n in names) else '--keep-optimizer'}"

@@ -224,8 +224,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     ship_tree, helper = _placement_for_cpu(compiled.tree, ns) if plan.devices[0] == "cpu" else (compiled.tree, None)
     if plan.cluster is None:
         from ..procs import pool as poolmod
-        wanted = (tuple(str(d) for d in plan.devices), plan.backend, plan.timeout)
-        held.check_cell(ns, set(survey.used), plan.strategy, poolmod.current_pool(POOL_NAME), wanted)
+        local = poolmod.current_pool(POOL_NAME)
+        held.check_cell(ns, set(survey.used), plan.strategy, local,
+                        local is not None and local.serves(plan.devices, plan.backend, plan.timeout))
     on_meta_device = [n for n, m in survey.modules.items() if on_meta(m)]
     if on_meta_device and blocks is None and not launch:
         raise usage_error(f"{', '.join(on_meta_device)} is on the meta device (it has no weights to copy to the "

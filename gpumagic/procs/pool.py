@@ -76,6 +76,11 @@ class WorkerPool(WorkerGroup):
     def key(self) -> tuple:
         return (tuple(self.devices), self.backend)
 
+    def serves(self, devices, backend, timeout: float | None = None) -> bool:
+        """Whether a task asking for these devices and backend (and ``timeout``) runs on this pool as it is."""
+        return self.alive and self.key == (tuple(str(d) for d in devices), backend) \
+            and timeout in (None, self.timeout)
+
     @property
     def alive(self) -> bool:
         return self.state == "running" and all(r.alive for r in self.ranks)
@@ -254,8 +259,7 @@ def get_pool(name: str, devices, backend, **kwargs) -> tuple[WorkerPool, bool]:
     is stopped and replaced.
     """
     pool = _pools.get(name)
-    wanted = (tuple(str(d) for d in devices), backend)
-    if pool is not None and pool.alive and pool.key == wanted and pool.timeout == kwargs.get("timeout", pool.timeout):
+    if pool is not None and pool.serves(devices, backend, kwargs.get("timeout")):
         return pool, False
     if pool is not None:
         pool.stop()
