@@ -8,6 +8,7 @@ their own or use a framework trainer made in the kernel.
 from __future__ import annotations
 
 import ast
+import sys
 import textwrap
 
 import pytest
@@ -184,6 +185,48 @@ def test_notebook_function_called_through_a_helper_chooses_launch():
 
 def test_cell_importing_trl_sft_trainer_chooses_launch():
     assert mode("from trl import SFTTrainer\ntrainer = SFTTrainer(model=model)")[0] == "launch"
+
+
+def test_imports_inside_notebook_functions_and_methods_choose_launch():
+    ns = notebook("""\
+        def helper():
+            from accelerate import Accelerator
+            return Accelerator()
+        def spawns():
+            import torch.multiprocessing as mp
+            mp.spawn(print, nprocs=2)
+        class Experiment:
+            def run(self):
+                import lightning as L
+                return L.Trainer()
+        experiment = Experiment()
+        """)
+    assert mode("a = helper()", ns, ["helper"])[0] == "launch"
+    assert mode("experiment.run()", ns, ["experiment"]) == (
+        "launch", "the cell builds a Lightning Trainer (lightning.Trainer)")
+    with pytest.raises(UsageError, match="starts processes of its own"):
+        mode("spawns()", ns, ["spawns"])
+
+
+def test_functions_from_a_module_imported_before_are_read(tmp_path, monkeypatch):
+    (tmp_path / "users_training.py").write_text(
+        "def main(model):\n    from transformers import Trainer\n    return Trainer(model=model)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "users_training", raising=False)
+    # not imported yet: nothing is imported to decide (the ranks refuse it as it runs instead)
+    assert mode("from users_training import main\nmain(model)")[0] == "ddp"
+    import users_training  # noqa: F401 - as an earlier cell would
+    assert mode("from users_training import main\nmain(model)") == (
+        "launch", "the cell builds a Hugging Face Trainer (transformers.Trainer)")
+    assert mode("import users_training\nusers_training.main(model)")[0] == "launch"
+
+
+def test_library_functions_are_matched_by_name_not_read():
+    ns = loop_namespace()
+    # torch's own code refers to DistributedDataParallel and init_process_group in places; a loop
+    # that calls torch functions is still a hand-written loop.
+    cell = LOOP + "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\ntorch.save(model, 'm.pt')\n"
+    assert mode(cell, ns, ["loader", "opt", "torch", "model"]) == ("ddp", "a hand-written loop")
 
 
 # --- hand-written loops ---------------------------------------------------------------------------

@@ -23,11 +23,12 @@ def _module_names(namespace: dict) -> list[str]:
                   if isinstance(v, torch.nn.Module) and not n.startswith("_"))
 
 
-def find_modules(tree: ast.AST, namespace: dict, names: list[str] | None = None, required: bool = True) -> dict:
+def find_modules(tree: ast.AST, namespace: dict, names: list[str] | None = None, required: bool = True,
+                 hint: str = "") -> dict:
     """The ``nn.Module`` objects the cell trains: those named, else those it reads.
 
     Raises ``UsageError`` naming the notebook's modules when a name is not a
-    module, or (``required``) when the cell uses none.
+    module, or (``required``) when the cell uses none (``hint`` ends that message).
     """
     import torch
     choices = _module_names(namespace)
@@ -45,7 +46,7 @@ def find_modules(tree: ast.AST, namespace: dict, names: list[str] | None = None,
              if isinstance(namespace.get(n), torch.nn.Module)}
     if not found and required:
         raise _usage_error("the cell uses no torch.nn.Module from the notebook; define the model in an "
-                          "earlier cell or name it with --model NAME", choices)
+                          "earlier cell or name it with --model NAME" + hint, choices)
     # A module that is a submodule of another found module trains with its parent.
     parents = list(found.values())
     return {n: m for n, m in found.items()

@@ -6,8 +6,10 @@ FSDP, or calls ``init_process_group``, distributes by itself: wrapping its
 model and splitting its loaders as well would do the work twice. Such a cell
 runs in launch mode (:mod:`.launch`); :func:`choose_mode` says which and why.
 
-What is looked at: the cell's code (names it imports included) and the code
-of the notebook functions it calls; nothing is imported to decide.
+What is looked at: the cell's code (names it imports included), the code of
+the notebook functions and methods it calls (their own imports included), and
+of the functions it imports from modules imported before; nothing is imported
+to decide. What this cannot see, :mod:`.mode_guard` refuses as the cell runs.
 
 In a notebook::
 
@@ -17,6 +19,9 @@ In a notebook::
 from __future__ import annotations
 
 import ast
+import dis
+import sys
+import sysconfig
 import types
 from collections.abc import Iterator
 
@@ -111,13 +116,17 @@ def _refuse_kernel_made(ns: dict, used: list[str]) -> None:
 def _references(tree: ast.AST, ns: dict, used: list[str]) -> Iterator[tuple[str, object]]:
     """``(dotted name, object or None)`` for what the cell and the notebook functions it uses refer to."""
     imported = _imports(tree)
+    seen: set = set()
     for node in ast.walk(tree):
         chain = _chain(node)
         if chain is None:
             continue
         base, attrs = chain[0], chain[1:]
         if base in imported:
-            yield ".".join([imported[base], *attrs]), None
+            dotted = ".".join([imported[base], *attrs])
+            yield dotted, None
+            # a module imported before (an earlier cell, or a file of the user's): what it defines
+            obj = _already_imported(dotted)
         elif base in ns:
             obj = ns[base]
             for a in attrs:
@@ -126,10 +135,45 @@ def _references(tree: ast.AST, ns: dict, used: list[str]) -> Iterator[tuple[str,
                     break
             if obj is not None:
                 yield ".".join(chain), obj
+        else:
+            continue
+        yield from _function_references(obj, seen)
     for name in used:
-        fn = ns.get(name)
-        if isinstance(fn, types.FunctionType):
-            yield from _code_references(fn.__code__, fn.__globals__)
+        yield from _function_references(ns.get(name), seen)
+
+
+def _function_references(obj, seen: set) -> Iterator[tuple[str, object]]:
+    """What a function or bound method (``experiment.run``) refers to; nothing for other objects."""
+    fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+    if isinstance(fn, types.FunctionType) and _is_users_code(fn.__code__):
+        yield from _code_references(fn.__code__, fn.__globals__, seen)
+
+
+def _is_users_code(code: types.CodeType) -> bool:
+    """Code of the notebook or of the user's own files: not of an installed package or the standard
+    library (a library's functions are matched by name, never read)."""
+    filename = code.co_filename
+    return not (any(part in filename for part in ("site-packages", "dist-packages"))
+                or filename.startswith(_STANDARD_LIBRARY))
+
+
+_STANDARD_LIBRARY = sysconfig.get_paths()["stdlib"]
+
+
+def _already_imported(dotted: str):
+    """The object a dotted name names, if its module is imported already (nothing is imported here)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is None:
+            continue
+        obj = module
+        for a in parts[i:]:
+            obj = getattr(obj, a, None)
+            if obj is None:
+                return None
+        return obj
+    return None
 
 
 def _code_references(code: types.CodeType, globals_: dict, seen: set | None = None) -> Iterator[tuple[str, object]]:
@@ -140,6 +184,11 @@ def _code_references(code: types.CodeType, globals_: dict, seen: set | None = No
         return
     seen.add(id(code))
     names = set(code.co_names)
+    # imports inside the function (``from accelerate import Accelerator`` in ``def train():``)
+    for module in {i.argval for i in dis.get_instructions(code) if i.opname == "IMPORT_NAME"}:
+        yield module, None
+        for name in names:
+            yield f"{module}.{name}", None
     for name in names:
         value = globals_.get(name)
         if isinstance(value, types.ModuleType):

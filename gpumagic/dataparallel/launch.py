@@ -19,16 +19,16 @@ Runs in the workers: no IPython.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .import_patches import patch_module
+
 __all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process",
-           "DistributionWatch"]
+           "forget_accelerate_state", "DistributionWatch"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -68,6 +68,7 @@ def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: 
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads()))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    forget_accelerate_state()
     run_lightning_launchers_in_place()
     try:
         yield
@@ -77,6 +78,25 @@ def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def forget_accelerate_state() -> None:
+    """Clear accelerate's process-wide singletons, as a fresh ``torchrun`` process starts without them.
+
+    accelerate keeps what it found about the processes in class attributes
+    (``PartialState``, ``AcceleratorState``, ``GradientState``) for the life of
+    the process. A rank lives across cells, so an ``Accelerator`` made in an
+    earlier cell outside launch mode (one process, no ``WORLD_SIZE``) would make
+    every later one think it runs alone.
+    """
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    for name in ("AcceleratorState", "PartialState", "GradientState"):
+        cls = getattr(state, name, None)
+        shared = getattr(cls, "_shared_state", None)
+        if isinstance(shared, dict):
+            shared.clear()
 
 
 def forget_kernel_process(ns: dict) -> list[str]:
@@ -192,10 +212,7 @@ def run_lightning_launchers_in_place() -> None:
     """Lightning's process-starting launchers run their function in this process when the processes
     were started outside (``cluster_environment.creates_processes_externally``), now or once imported."""
     for name in _LAUNCHER_MODULES:
-        if name in sys.modules:
-            _patch_launcher(sys.modules[name])
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+        patch_module(name, _patch_launcher)
 
 
 def _patch_launcher(module) -> None:
@@ -213,23 +230,3 @@ def _patch_launcher(module) -> None:
 
     launch._gpumagic_in_place = True  # type: ignore[attr-defined]
     cls.launch = launch
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a launcher module right after it is first imported (the cell imports Lightning)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _LAUNCHER_MODULES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch_launcher(module)
-
-        loader.exec_module = exec_and_patch
-        return spec

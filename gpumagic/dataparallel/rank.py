@@ -25,6 +25,7 @@ from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
+from .mode_guard import refusing_frameworks
 from .rank_state import pack_state, rank0_state
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
@@ -111,7 +112,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         frozen = [name for name in inner if name not in wrapped]
         guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
         try:
-            value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
+            with refusing_frameworks():
+                value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:
                 guard.remove()

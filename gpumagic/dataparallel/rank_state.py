@@ -68,7 +68,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
 
 
 def _unwrapped(module):
-    """The user's module inside DDP wrappers and torch.compile's OptimizedModule."""
+    """The user's module inside DDP wrappers, torch.compile's OptimizedModule and Lightning Fabric's
+    ``_FabricModule`` (``fabric.setup(model)``)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
     while True:
@@ -76,6 +77,9 @@ def _unwrapped(module):
             module = module.module
         elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
             module = module._orig_mod
+        elif type(module).__name__ == "_FabricModule" and isinstance(
+                getattr(module, "_original_module", None), torch.nn.Module):
+            module = module._original_module
         else:
             return module
 

@@ -101,7 +101,9 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     ns = shell.user_ns
     used = read_names(tree, shell) if used is None else used
     probe = names_tree(used)
-    modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch)
+    modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch,
+                           hint="; or, where the cell trains through a framework that reading it did not show "
+                                "(a Trainer, Accelerator or Fabric behind a call), run it with --launch")
     optimizers = find_optimizers(probe, ns, modules)
     read_loaders = find_loaders(probe, ns)
     for name, loader in read_loaders.items():
