@@ -167,7 +167,7 @@ def _already_imported(dotted: str):
         module = sys.modules.get(".".join(parts[:i]))
         if module is None:
             continue
-        obj = module
+        obj: object = module
         for a in parts[i:]:
             obj = getattr(obj, a, None)
             if obj is None:

@@ -48,5 +48,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             for patch in patches:
                 patch(module)
 
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        loader.exec_module = exec_and_patch
         return spec
