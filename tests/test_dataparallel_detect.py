@@ -275,6 +275,9 @@ def test_cell_that_starts_processes_is_refused(cell, ns_names, called):
         with pytest.raises(UsageError) as err:
             mode(cell, ns, launch=launch)
         assert f"the cell calls {called}, which starts processes of its own" in str(err.value)
+        # the call that replaces it: notebook_launcher(fn, args) ran fn(*args), spawn ran fn(rank, *args)
+        example = "training_function(*args)" if "launcher" in called else "train(int(os.environ['RANK']), *args)"
+        assert f"(for example {example})" in str(err.value)
 
 
 def test_accelerate_notebook_launcher_from_the_notebook_is_refused():

@@ -62,11 +62,13 @@ def choose_mode(tree: ast.AST, ns: dict, used: list[str], launch: bool = False) 
     found = None
     for qualified, obj in _references(tree, ns, used):
         if _matches(qualified, obj, STARTS_PROCESSES):
+            # notebook_launcher(fn, args) calls fn(*args); mp.spawn(fn, args) calls fn(rank, *args)
+            example = ("training_function(*args)" if qualified.split(".")[-1].endswith("_launcher")
+                       else "train(int(os.environ['RANK']), *args)")
             raise usage_error(
                 f"the cell calls {qualified}, which starts processes of its own; under %%dataparallel the ranks "
                 "exist already and each runs the cell: call the training function directly instead "
-                "(for example train(int(os.environ['RANK']), int(os.environ['WORLD_SIZE']))), or run the cell "
-                "without %%dataparallel")
+                f"(for example {example}), or run the cell without %%dataparallel")
         what = framework_of(qualified, obj)
         if what is not None and found is None:
             found = f"the cell {'calls' if what == 'init_process_group' else 'builds'} {what} ({qualified})"
