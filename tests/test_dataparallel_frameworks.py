@@ -80,6 +80,22 @@ def test_progress_bars_and_logs_of_rank_0_show_in_the_cell(shell):
     assert "4/4" in out                                          # its progress bar, rank 0's steps
 
 
+def test_progress_bars_in_a_jupyter_kernel_send_no_cursor_moves(shell, monkeypatch):
+    """ipykernel sets FORCE_COLOR, which made rich (Lightning's bar) draw as on a terminal: cursor moves
+    and erases, ten frames a second, that a notebook shows as a growing pile of lines."""
+    pytest.importorskip("rich")
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("CLICOLOR_FORCE", "1")
+    run_cell(shell, "%dataparallel stop")        # workers that start with the kernel's environment as it is now
+    cell = setup(shell, "lightning-ddp")
+    cell = cell.replace("callbacks=[StepHook()]", "callbacks=[StepHook(), L.pytorch.callbacks.RichProgressBar()]")
+    _, cap = dp_cell(shell, CPU2, cell + "import rich.console\nterminal = rich.console.Console().is_terminal\n")
+    out = cap.stdout + cap.stderr
+    assert shell.user_ns["terminal"] is False
+    assert "4/4" in out and "Epoch 0" in out                     # the bar's last frame
+    assert "\x1b[" not in out                                    # no cursor moves, erases or colours
+
+
 def test_the_next_hand_written_cell_finds_the_pool_group_again(shell):
     """A launch cell that destroyed the group, or left its own, does not break the next cells."""
     cell = setup(shell, "hand-ddp")

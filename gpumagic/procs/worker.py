@@ -200,6 +200,10 @@ def _prepare_process(config: WorkerConfig) -> None:
         os.environ.clear()
         os.environ.update(config.environ)
     os.environ.update(config.env)
+    # A worker's output reaches the notebook as plain text. ipykernel sets FORCE_COLOR for its own, and
+    # rich (Lightning's progress bar) then draws as on a terminal, with cursor moves that a notebook
+    # shows as a growing pile of frames: tell it this is no terminal, unless the user said otherwise.
+    os.environ.setdefault("TTY_COMPATIBLE", "0")
     # The kernel decides when to stop; a terminal's Ctrl-C reaches it, not every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
