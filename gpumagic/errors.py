@@ -6,13 +6,14 @@ One error path per kind:
   one: IPython shows it as a one-line message, subclasses get full tracebacks);
 * the user's own exception -> re-raised unchanged, with their line numbers;
 * an exception in a worker process -> :class:`WorkerError`; a worker that
-  died without one (killed, out of memory, ``os._exit``) -> :class:`WorkerDied`.
+  died without one (killed, out of memory, ``os._exit``) -> :class:`WorkerDied`;
+* an interrupt while workers ran the cell -> :class:`CellInterrupted`, once they stopped.
 """
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-__all__ = ["UsageError", "WorkerError", "WorkerDied", "usage_error"]
+__all__ = ["UsageError", "WorkerError", "WorkerDied", "CellInterrupted", "usage_error"]
 
 
 def usage_error(what: str, choices=None) -> UsageError:
@@ -62,3 +63,13 @@ class WorkerDied(WorkerError):
 
     A ``%%dataparallel`` pool is gone after this, and the next cell starts a fresh one.
     """
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was interrupted while its workers ran; they have stopped (a note says what the notebook holds).
+
+    Shown as a plain ``KeyboardInterrupt``: where the kernel happened to be waiting is not the user's concern.
+    """
+
+    def _render_traceback_(self):
+        return [f"KeyboardInterrupt: {self}" if str(self) else "KeyboardInterrupt"]

@@ -449,6 +449,22 @@ def test_interrupt_stops_every_rank_within_5_seconds(shell):
     assert shell.user_ns["ok"] == 2 and dp_pool().pids != pids
 
 
+def test_an_interrupted_cell_says_what_stopped_and_shows_none_of_gpumagics_frames(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    before = {k: v.clone() for k, v in shell.user_ns["model"].state_dict().items()}
+    body = ("import time\nfor x, y in loader:\n    opt.zero_grad()\n"
+            "    torch.nn.functional.mse_loss(model(x), y).backward()\n    opt.step()\n    time.sleep(60)\n")
+    timer = threading.Timer(4.0, _thread.interrupt_main)
+    timer.start()
+    result, text, _ = run_cell(shell, f"%%dataparallel {CPU2}\n{body}")
+    timer.cancel()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "interrupted; the ranks were stopped, and the notebook's objects are as they were before" in text
+    traceback = text[text.index("KeyboardInterrupt"):]
+    assert "gpumagic" not in traceback.replace("%%dataparallel", "") and "selectors" not in traceback, traceback
+    assert all(torch.equal(v, before[k]) for k, v in shell.user_ns["model"].state_dict().items())
+
+
 def test_stop_and_unload_reap_the_pool(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     dp_cell(shell, CPU2, "a = model(X).shape[0]\n")

@@ -354,6 +354,9 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
             note("%%dataparallel --strategy fsdp: stopped while rank 0 was writing the trained state into the "
                  "notebook's tensors: the model and optimizer hold a mix of their state before and after the "
                  "cell. Load a checkpoint, or run the training again")
+        elif isinstance(exc, KeyboardInterrupt):
+            note("%%dataparallel: interrupted; the ranks were stopped, and the notebook's objects are as they "
+                 "were before the cell")
         raise
     finally:
         output.flush()

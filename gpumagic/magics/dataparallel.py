@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import display
-from ..errors import usage_error
+from ..errors import CellInterrupted, usage_error
 from .args import oversubscribe, parse
 
 __all__ = ["DataParallelMagics", "pool_status"]
@@ -189,6 +189,8 @@ class DataParallelMagics(Magics):
         except SyntaxError as exc:
             exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
             raise exc
+        except KeyboardInterrupt:
+            raise CellInterrupted from None
         if result.not_returned:
             display.note("not brought back (not plain values; they end with the cell): "
                          + ", ".join(result.not_returned))
