@@ -137,7 +137,7 @@ def test_reshaped_module_adopts_the_trained_layers_in_place():
     state = {"modules": {"model": trained.state_dict()}, "optimizers": {}, "stateful": {}, "values": {},
              "reshaped": {"model": trained}}
 
-    assert load_into_notebook(ns, state, {"model": model}, {}, []) == {"values": [], "made": []}
+    assert load_into_notebook(ns, state, {"model": model}, {}, [])["values"] == []
 
     assert ns["model"] is model                                   # the notebook's object, in place
     assert len(model) == 3

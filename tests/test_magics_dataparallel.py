@@ -236,7 +236,7 @@ def test_shuffled_loader_and_notebook_function(shell):
 
 def test_pool_is_reused_and_output_streams(shell):
     run_cell(shell, SETUP.format(shuffle=False))
-    with pytest.warns(UserWarning, match="reads no DataLoader: every rank sees the same data"):
+    with pytest.warns(UserWarning, match="reads no DataLoader from the notebook: every rank sees the same data"):
         dp_cell(shell, CPU2, "n = float(model(X).sum())\n")
     pool = dp_pool()
     pids = list(pool.pids)
@@ -258,7 +258,8 @@ def test_pool_is_reused_and_output_streams(shell):
                        "names = [n for n, _ in model.named_parameters()]\nsub = type(model.hidden).__name__\n")
     assert shell.user_ns["kind"] == "CellDDP" and shell.user_ns["first"] == "hidden.weight"
     assert shell.user_ns["names"][:2] == ["hidden.weight", "hidden.bias"] and shell.user_ns["sub"] == "Linear"
-    assert "out" in result.not_returned and "out" not in shell.user_ns  # a tensor output stays in the workers
+    out = shell.user_ns["out"]                     # a tensor output comes back: rank 0's, on the CPU, detached
+    assert out.device.type == "cpu" and not out.requires_grad and out.shape[0] == 2
 
     _, cap = dp_cell(shell, CPU2 + " --all-output",
                      "import torch.distributed as dist\nprint('hi', dist.get_rank())\nmodel(X)\n")

@@ -96,14 +96,26 @@ def test_functions_classes_and_imports_defined_in_the_cell_exist_in_the_notebook
 def test_a_function_that_cannot_be_defined_again_is_named(shell):
     run_cell(shell, SETUP)
     _, cap = dp_cell(shell, CPU2, """
-        data = torch.ones(3)                 # a tensor: stays in the workers
-        def uses(n=data.sum()):              # its default reads it: cannot run in the notebook
+        data = {"net": model}                # holds the ranks' module: stays in the workers
+        def uses(n=data["net"]):             # its default reads it: cannot run in the notebook
             return n
         first = model(X).shape[0]
         square = lambda v: v * v             # bound by an assignment, not a def
         """)
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
     assert "data" in note and "uses (NameError" in note and "square (not bound by a def" in note
+
+
+def test_a_loader_built_in_the_cell_is_named_in_the_warning(shell):
+    """The nn tutorial's shape: the DataLoader is made where it is iterated, so it cannot be split."""
+    run_cell(shell, SETUP)
+    with pytest.warns(UserWarning, match=r"the cell builds its DataLoader itself \(train_dl\), so it is not "
+                                         r"split: .* Build the DataLoader in an earlier cell"):
+        dp_cell(shell, CPU2, """
+            train_dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=16)
+            for x, y in train_dl:
+                opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+            """)
 
 
 def test_launch_mode_without_anything_distributing_warns_of_repeated_work(shell):

@@ -14,8 +14,8 @@ import ast
 import re
 import types
 
-__all__ = ["names_read", "names_assigned", "import_bindings", "free_reads", "used_names", "loop_targets", "names_tree",
-           "notebook_names"]
+__all__ = ["names_read", "names_assigned", "attributes_assigned", "import_bindings", "free_reads", "used_names",
+           "loop_targets", "names_tree", "notebook_names"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
 _HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
@@ -209,6 +209,16 @@ def _block(stmts, bound: set, reads: dict) -> None:
                         reads.setdefault(node.id, None)
         else:
             _expr_reads(st, bound, reads)
+
+
+def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:
+    """``{name: [attribute, ...]}`` for what the cell sets on a name's object (``args.epochs = 1``,
+    ``state.count += 1``), anywhere in the cell."""
+    found: dict[str, dict[str, None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+            found.setdefault(node.value.id, {})[node.attr] = None
+    return {name: list(attrs) for name, attrs in found.items()}
 
 
 def loop_targets(tree: ast.AST) -> list[str]:

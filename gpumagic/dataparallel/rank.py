@@ -27,6 +27,7 @@ from ..procs.wire import unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
 from .rank_state import pack_state, rank0_state
+from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
@@ -90,6 +91,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     compiling = warm is not None   # (--compile is refused with fsdp and in launch mode)
     counts_before = compile_counts() if compiling else (0, 0)
     gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
+    # Rank 0 answers for the notebook's other objects the cell may change (kept with the cell's meta).
+    meta["attributes_before"] = attribute_snapshot(ns, meta.get("watched", []), meta.get("set_attributes", {})) \
+        if ctx.rank == 0 else {}
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu", master_addr=launch.get("master_addr", "127.0.0.1"),

@@ -16,6 +16,7 @@ import types
 from ..cell.values import is_plain_value, same_tuple_type
 from ..procs.wire import pack
 from .results import NotebookName, module_settings
+from .returnable import RETURN_LIMIT, NotReturnable, changed_attributes, pickled_for_notebook
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "optimizers": {n: o.state_dict() for n, o in opts.items()},
         "stateful": _stateful_states(ns, meta["stateful"]),
         "values": {},
+        "objects": {},      # other objects the cell assigned, pickled (returnable.py)
+        "attributes": {},   # attributes of the notebook's objects the cell changed
         "assigned": meta["assigned"],
         "not_returned": [],
         "made": {},
@@ -62,9 +65,22 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
             if model is not None and _stands_alone(model, inner):
                 state["made"][n] = model   # a model the cell built: it comes back whole
+            elif model is not None:
+                state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
-                state["not_returned"].append(n)
+                _add_object(state, n, v)
+    state["attributes"], dropped = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    state["not_returned"] += dropped
     return state
+
+
+def _add_object(state: dict, name: str, value) -> None:
+    """An object the cell assigned, pickled, within what one cell brings back; else named with why."""
+    room = RETURN_LIMIT - sum(len(b) for b in state["objects"].values())
+    try:
+        state["objects"][name] = pickled_for_notebook(value, limit=room)
+    except NotReturnable as exc:
+        state["not_returned"].append(f"{name} ({exc})")
 
 
 def _unwrapped(module):

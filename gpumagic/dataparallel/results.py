@@ -2,14 +2,19 @@
 
 :func:`load_into_notebook` checks that rank 0's state fits the notebook's
 objects, then loads it into them in place (modules, optimizers, schedulers
-and other objects with a ``state_dict``) and binds the plain values the cell
-assigned. Nothing changes unless everything fits.
+and other objects with a ``state_dict``), binds the plain values and other
+objects the cell assigned, and sets the attributes it changed on the
+notebook's objects (:mod:`.returnable`). Nothing changes unless everything fits.
 """
 from __future__ import annotations
 
+import logging
+import pickle
 from dataclasses import dataclass, field
 
 from ..cell.values import same_tuple_type
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned", "module_settings",
            "adopt_cell_classes", "NotebookName"]
@@ -165,13 +170,40 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         elif name in state.get("assigned", ()) or not _equal(old, value):
             ns[name] = value
             bound.append(name)
+    objects, not_loaded = [], []
+    for name, blob in (state.get("objects") or {}).items():
+        try:
+            ns[name] = pickle.loads(blob)
+        except Exception as exc:   # named in the cell's note, with the reason
+            logger.debug("%s could not be unpickled in the kernel", name, exc_info=True)
+            not_loaded.append(f"{name} ({type(exc).__name__}: {exc})")
+            continue
+        objects.append(name)
+    for name, attrs in (state.get("attributes") or {}).items():
+        target = ns.get(name)
+        for attr, value in attrs.items():
+            _set_in_place(target, attr, value)
+            bound.append(f"{name}.{attr}")
     made = []
     for name, module in (state.get("made") or {}).items():
         # A model the cell built: a copy, since its tensors are views of a buffer the next cell reuses.
         import copy
         ns[name] = copy.deepcopy(module)
         made.append(name)
-    return {"values": bound, "made": made}
+    return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
+
+
+def _set_in_place(obj, attr: str, value) -> None:
+    """``obj.attr = value``, keeping the notebook's list or dict object where it had one (a callback's
+    ``self.losses`` may be referenced elsewhere too)."""
+    old = getattr(obj, attr, None)
+    if isinstance(old, list) and isinstance(value, list):
+        old[:] = value
+    elif isinstance(old, dict) and isinstance(value, dict):
+        old.clear()
+        old.update(value)
+    else:
+        setattr(obj, attr, value)
 
 
 _MISSING = object()
@@ -257,7 +289,8 @@ def adopt_cell_classes(ns: dict, made: list[str], defined: list[str]) -> None:
     classes = {name: ns[name] for name in defined if isinstance(ns.get(name), type)}
     by_qualname = {(c.__module__, c.__qualname__): c for c in classes.values()}
     for name in made:
-        for sub in ns[name].modules():
+        objects = ns[name].modules() if hasattr(ns[name], "modules") else [ns[name]]
+        for sub in objects:
             cls = by_qualname.get((type(sub).__module__, type(sub).__qualname__))
             if cls is not None and cls is not type(sub):
                 sub.__class__ = cls

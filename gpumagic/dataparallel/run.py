@@ -23,15 +23,17 @@ In a notebook the magic is the way in::
 """
 from __future__ import annotations
 
+import ast
 import copy
 import logging
 import os
 import time
+import types
 import warnings
 from dataclasses import dataclass
 
 from ..cell.compile import compile_cell
-from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.names import attributes_assigned, loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
 from ..display import note
 from ..errors import usage_error
@@ -75,6 +77,8 @@ class CellSurvey:
     stateful: list        # schedulers and other objects with a state_dict
     assigned: list
     return_names: list    # names whose plain values come back
+    watched: list         # notebook objects of notebook classes: their changed plain attributes come back
+    set_attributes: dict  # name -> attributes the cell sets on that notebook object
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
 
 
@@ -113,9 +117,16 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     if launch:
         read_loaders = {}   # the framework splits them; the notebook's stay as they are
     elif not read_loaders:
-        warn_in_cell("the cell reads no DataLoader: every rank sees the same data, so the ranks repeat each "
-                     "other's work (same result, no speed-up). Iterate a torch.utils.data.DataLoader to "
-                     "split each batch across the ranks.", filename)
+        built = _loaders_built(tree)
+        if built:
+            warn_in_cell(f"the cell builds its DataLoader itself ({', '.join(built)}), so it is not split: every "
+                         "rank reads all of it and repeats the others' work (no speed-up). Build the DataLoader in "
+                         "an earlier cell and iterate it here, so each rank gets its share of every batch.", filename)
+        else:
+            warn_in_cell("the cell reads no DataLoader from the notebook: every rank sees the same data, so the "
+                         "ranks repeat each other's work (same result, no speed-up). Iterate a "
+                         "torch.utils.data.DataLoader made in an earlier cell to split each batch across the ranks.",
+                         filename)
     loaders = {}   # the ones split across the ranks
     for n, loader in read_loaders.items():
         if isinstance(loader.dataset, torch.utils.data.IterableDataset):
@@ -128,11 +139,28 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     names = list(dict.fromkeys(list(modules) + used))
     plain_read = [n for n in names if n not in modules and is_plain_value(ns[n])]
     trained = set(modules) | set(optimizers) | set(read_loaders)
+    others = [n for n in names if n not in trained and n not in stateful and n not in assigned
+              and not isinstance(ns[n], (types.ModuleType, type, types.FunctionType, torch.nn.Module))]
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
+        # the notebook's other objects: instances of its own classes, and what the cell sets on them
+        watched=[n for n in others if type(ns[n]).__module__ == "__main__" and hasattr(ns[n], "__dict__")],
+        set_attributes={n: attrs for n, attrs in attributes_assigned(tree).items() if n in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
+
+
+def _loaders_built(tree) -> list[str]:
+    """Names the cell binds to a ``...DataLoader(...)`` call (``loader = DataLoader(ds, ...)``)."""
+    built = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called.endswith("DataLoader"):
+                built += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return built
 
 
 def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
@@ -256,6 +284,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
         "stateful": survey.stateful, "device_strings": survey.device_strings,
         "return_names": survey.return_names, "assigned": survey.assigned,
+        "watched": survey.watched, "set_attributes": survey.set_attributes,
         "loop_targets": loop_targets(compiled.tree),
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
@@ -275,7 +304,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         if shipment is not None:
             held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
         defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
-        adopt_cell_classes(ns, state["made_names"], defined)
+        adopt_cell_classes(ns, state["made_names"] + state["object_names"], defined)
         # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
         pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
     if interrupted:
@@ -293,7 +322,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         loaders=list(survey.loaders), stateful=survey.stateful,
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
-        not_returned=state.get("not_returned", []) + not_defined,
+        not_returned=state.get("not_returned", []) + state["not_loaded"] + not_defined,
         value=ns.get(state["value"].name) if isinstance(state.get("value"), NotebookName) else state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
@@ -378,6 +407,7 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         modules, optimizers = ({}, {}) if shipment else (survey.modules, survey.optimizers)
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
+        state["object_names"], state["not_loaded"] = loaded["objects"], loaded["not_loaded"]
         if shipment:
             made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,

@@ -192,7 +192,7 @@ class DataParallelMagics(Magics):
         except KeyboardInterrupt:
             raise CellInterrupted from None
         if result.not_returned:
-            display.note("not brought back (not plain values; they end with the cell): "
+            display.note("not brought back (they end with the cell): "
                          + ", ".join(result.not_returned))
         display.note(result.summary())
         return result.value

@@ -1,0 +1,129 @@
+"""Objects a %%dataparallel cell binds, and attributes it sets on the notebook's objects, come back (CPU, 2 ranks).
+
+As after a plain cell: a numpy array, a dataclass, a tensor the cell computed
+are in the notebook (tensors on the CPU, detached); an attribute the cell sets
+on a notebook object (``args.epochs = 3``) and what a notebook class's method
+appends (a callback collecting losses) are there too. What belongs to the
+ranks (a wrapper holding modules, a framework trainer) is named with the reason.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpumagic.dataparallel.returnable import NotReturnable, attribute_snapshot, changed_attributes, pickled_for_notebook
+from tests.conftest import run_cell
+from tests.dataparallel_helpers import dp_cell
+
+CPU2 = "--nprocs 2"
+
+SETUP = """
+import argparse, dataclasses
+import numpy as np
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+X = torch.randn(64, 8)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True)), batch_size=8)
+args = argparse.Namespace(epochs=1, lr=0.1)
+
+class LossLog:
+    def __init__(self):
+        self.losses = []
+        self.best = None
+    def record(self, loss):
+        self.losses.append(float(loss))
+        self.best = min(self.losses)
+
+log = LossLog()
+"""
+
+LOOP = """
+args.epochs = 2
+for epoch in range(args.epochs):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        log.record(loss)
+"""
+
+
+def test_objects_the_cell_binds_come_back_on_the_cpu(shell):
+    run_cell(shell, SETUP)
+    _, cap = dp_cell(shell, CPU2, LOOP + """
+@dataclasses.dataclass
+class Summary:
+    final: float
+    steps: int
+
+with torch.no_grad():
+    preds = model(X)                       # a tensor, rank 0's
+predictions = preds.numpy()                # a numpy array
+summary = Summary(float(loss), 16)         # an instance of a class the cell defines
+config = argparse.Namespace(width=8)
+holder = {"net": model}                    # holds the ranks' module: stays
+""")
+    ns = shell.user_ns
+    assert isinstance(ns["preds"], torch.Tensor) and ns["preds"].device.type == "cpu"
+    assert not ns["preds"].requires_grad and ns["preds"].shape == (64, 1)
+    # rank 0's predictions, from the trained weights now in the notebook's model
+    torch.testing.assert_close(ns["preds"], ns["model"](ns["X"]).detach())
+    assert isinstance(ns["predictions"], np.ndarray) and np.allclose(ns["predictions"], ns["preds"].numpy())
+    assert isinstance(ns["summary"], ns["Summary"]) and ns["summary"].steps == 16   # the notebook's class
+    assert ns["config"].width == 8
+    assert "holder" not in ns
+    note = cap.stderr.split("not brought back")[1].splitlines()[0]
+    assert "holder (holds a torch.nn.Module (CellDDP), which stays in the ranks)" in note, note
+
+
+def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell):
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    log, args = ns["log"], ns["args"]
+    losses = log.losses
+    _, cap = dp_cell(shell, CPU2, LOOP + "rank0_losses = list(log.losses)\n")
+    assert ns["log"] is log and ns["args"] is args          # the notebook's own objects, changed in place
+    assert args.epochs == 2                                  # set by the cell
+    assert log.losses is losses and log.losses == ns["rank0_losses"] and len(losses) == 16   # 2 epochs x 8 steps
+    assert log.best == min(losses)
+    assert "log.losses" in cap.stderr and "args.epochs" in cap.stderr
+
+
+# --- the pieces, in one process ---------------------------------------------------------------------
+
+def test_pickled_for_notebook_detaches_copies_and_refuses_what_stays_in_the_ranks():
+    import pickle
+    t = torch.ones(4, requires_grad=True) * 2
+    back = pickle.loads(pickled_for_notebook({"t": t, "view": t[:2]}))
+    assert not back["t"].requires_grad and back["t"].tolist() == [2.0] * 4
+    for value, why in [({"m": torch.nn.Linear(2, 2)}, "holds a torch.nn.Module (Linear)"),
+                       ([torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)], "holds an optimizer (SGD)"),
+                       (torch.utils.data.DataLoader([1, 2]), "holds a DataLoader"),
+                       ((x for x in [1]), "TypeError: cannot pickle")]:
+        with pytest.raises(NotReturnable, match=__import__("re").escape(why)):
+            pickled_for_notebook(value)
+    with pytest.raises(NotReturnable, match="larger than the 1 MB a cell brings back"):
+        pickled_for_notebook(np.zeros(2**20), limit=2**20)
+
+
+def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
+    class Box:
+        pass
+    box, other = Box(), Box()
+    box.items, box.count, box._private = [1], 0, 5
+    other.x = 1
+    ns = {"box": box, "other": other}
+    before = attribute_snapshot(ns, ["box"], {"other": ["x", "y"]})
+    box.items.append(2)            # changed in place: the copy tells
+    box.count += 1
+    box._private = 6               # private: not the user's
+    box.new = "yes"
+    other.x = 1                    # set, unchanged
+    other.y = torch.nn.Linear(1, 1)
+    changed, dropped = changed_attributes(ns, before, ["box"])
+    assert changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}}
+    assert dropped == ["other.y (not a plain value)"]
