@@ -580,6 +580,33 @@ def test_a_loader_read_by_a_notebook_function_is_split_and_its_steps_counted(she
     assert [w.samples for w in trained.workers] == [256, 256] and [w.steps for w in trained.workers] == [8, 8]
 
 
+def test_an_evaluation_pass_reads_the_whole_loader_and_the_models_eval_flag_comes_back(shell):
+    """The quickstart's test(): under no_grad every worker counts all 512 samples, so an accuracy over
+    len(loader.dataset) is right, the pass is no training step, and model.eval() holds afterwards."""
+    run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\n" + textwrap.dedent("""
+        model.train()
+        for x, y, idx in loader:
+            optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+        model.eval()
+        seen = correct = 0
+        with torch.no_grad():
+            batches = len(loader)
+            for x, y, idx in loader:
+                seen += len(x)
+                correct += (model(x).argmax(1) == y).sum().item()
+        report(seen=seen, accuracy=correct / len(loader.dataset), batches=batches, share=len(loader))
+    """))
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    for r in range(2):
+        entry = trained.history[r][0]
+        assert entry["seen"] == 512 and entry["batches"] == 16 and 0.0 <= entry["accuracy"] <= 1.0
+        assert entry["share"] == 8            # with gradients on, len() is the worker's share
+    assert [w.steps for w in trained.workers] == [8, 8] and [w.samples for w in trained.workers] == [256, 256]
+    assert shell.user_ns["model"].training is False
+
+
 def test_unreasonable_counts_and_seeds_are_refused_before_any_process(shell):
     run_cell(shell, "import torch\nmodel = torch.nn.Linear(8, 2)")
     before = _children()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import types
 
+from ..cell.module_settings import module_settings
 from ..cell.values import is_plain_value, same_tuple_type
 from ..procs.wire import pack
-from .results import NotebookName, module_settings
+from .results import NotebookName
 from .returnable import RETURN_LIMIT, NotReturnable, changed_attributes, pickled_for_notebook
 
 logger = logging.getLogger(__name__)

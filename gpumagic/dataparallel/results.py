@@ -12,15 +12,13 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 
+from ..cell.module_settings import apply_settings
 from ..cell.values import same_tuple_type
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned", "module_settings",
+__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned",
            "adopt_cell_classes", "NotebookName"]
-
-_SETTING_TYPES = (bool, int, float, str, type(None))
-
 
 @dataclass
 class CellResult:
@@ -74,41 +72,12 @@ class NotebookName:
     name: str
 
 
-def module_settings(module) -> dict:
-    """What a cell may set on a module besides its tensors, as a plain cell would leave it:
-    each submodule's ``training`` flag (``model.eval()``) and plain attributes (``model.temp = 0.5``),
-    and each parameter's ``requires_grad`` (``layer.requires_grad_(False)``). Runs on rank 0."""
-    subs = {}
-    for qualname, sub in module.named_modules():
-        attrs = {k: v for k, v in vars(sub).items()
-                 if not k.startswith("_") and k != "training" and type(v) in _SETTING_TYPES}
-        subs[qualname] = {"training": sub.training, "attrs": attrs}
-    return {"modules": subs, "requires_grad": {n: p.requires_grad for n, p in module.named_parameters()}}
-
-
 def _follow_dtypes(module, got: dict) -> None:
     """A cell that cast the model (``model.double()``, ``.half()``): the notebook's tensors take the new
     dtype in place (the same Parameter objects, as after a plain cell), so loading does not cast back."""
     for key, t in module.state_dict(keep_vars=True).items():
         if key in got and got[key].dtype != t.dtype:
             t.data = t.data.to(got[key].dtype)
-
-
-def _apply_settings(module, settings: dict) -> None:
-    """:func:`module_settings` of rank 0's module, set on the notebook's (whose structure matches)."""
-    for qualname, got in settings["modules"].items():
-        try:
-            sub = module.get_submodule(qualname)
-        except AttributeError:   # a layer without tensors that the cell added: the notebook's has none
-            continue
-        sub.training = got["training"]
-        for k, v in got["attrs"].items():
-            if k not in vars(sub) or type(vars(sub)[k]) is not type(v) or vars(sub)[k] != v:
-                setattr(sub, k, v)
-    params = dict(module.named_parameters())
-    for name, flag in settings["requires_grad"].items():
-        if name in params and params[name].requires_grad != flag:
-            params[name].requires_grad_(flag)
 
 
 def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
@@ -146,7 +115,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 _follow_dtypes(module, state["modules"][name])
                 module.load_state_dict(state["modules"][name])
             if name in (state.get("settings") or {}):
-                _apply_settings(module, state["settings"][name])
+                apply_settings(module, state["settings"][name])
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:

@@ -3,12 +3,12 @@
 ``split="batch"`` (data parallel): every rank walks the same sequence of
 global batches as the original loader, shuffling included, and takes its
 equal slice of each one, so N ranks averaging gradients see exactly the
-single-process batches. With ``whole_without_grad``, a pass begun with
-gradients off (an evaluation under ``torch.no_grad()``) is not split: every
-rank reads every batch, so what the cell computes from it (an accuracy over
-``len(loader.dataset)``) is what one process would compute. ``split="dataset"`` (Hogwild): each rank takes every
+single-process batches. ``split="dataset"`` (Hogwild): each rank takes every
 N-th sample of the epoch and batches it at the original batch size, so
-workers see different samples.
+workers see different samples. With ``whole_without_grad`` (either split), a
+pass begun with gradients off (an evaluation under ``torch.no_grad()``) is
+not split: every rank reads every batch, so what the cell computes from it
+(an accuracy over ``len(loader.dataset)``) is what one process would compute.
 
 Shuffling is identical on every rank. A loader made with its own
 ``generator`` shuffles with it, as in one process (every rank got the same
@@ -61,7 +61,7 @@ class ShardedBatchSampler(Sampler):
 
     def splits_this_pass(self) -> bool:
         """Whether a pass starting now is split (a DataLoader starts its pass in the calling thread)."""
-        return not (self.split == "batch" and self.whole_without_grad and not torch.is_grad_enabled())
+        return not (self.whole_without_grad and not torch.is_grad_enabled())
 
     def __iter__(self):
         sampler = getattr(self.batch_sampler, "sampler", None)
@@ -93,7 +93,7 @@ class ShardedBatchSampler(Sampler):
                 yield mine[start:start + self.batch_size]
 
     def __len__(self):
-        if self.split == "batch":
+        if self.split == "batch" or not self.splits_this_pass():
             return len(self.batch_sampler)
         total = len(self.batch_sampler.sampler) if hasattr(self.batch_sampler, "sampler") else 0
         per_rank = (total - self.rank + self.world_size - 1) // self.world_size

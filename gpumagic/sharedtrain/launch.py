@@ -55,6 +55,7 @@ from collections.abc import Callable
 import torch
 
 from ..cell.compile import compile_cell, compile_plain, is_empty
+from ..cell.module_settings import apply_settings
 from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers
 from ..errors import usage_error
@@ -88,6 +89,7 @@ class _Run:
         self.own_output = RankOutput(prefix=True) if output is None else None
         self.output = output or self.own_output.write  # type: ignore[union-attr]
         self.last_progress = 0.0
+        self.settings: dict = {}   # rank 0's module settings after the cell (eval(), attributes)
 
     def on_message(self, rank: int, message) -> None:
         stats = self.result.workers[rank]
@@ -102,6 +104,8 @@ class _Run:
                 stats.reports += len(entries)
                 stats.last.update({k: v for k, v in entries[-1].items() if k not in ("step", "time")})
                 self.result.history.extend(rank, entries)
+        elif message[0] == "settings":
+            self.settings = message[1]
         elif message[0] == "done":
             stats.state = "done"
 
@@ -269,7 +273,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     seed = draw_seed() if seed is None else int(seed)
     meta, data, outgoing = _ship(method, ns, used, loaders, compiled)
     meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
-                 "set_device_name": device is not None, "loaders": loaders, "optimizers": list(optimizers)})
+                 "set_device_name": device is not None, "loaders": loaders, "optimizers": list(optimizers),
+                 "modules": list(modules)})
     result = SharedTrainResult(modules=modules, nprocs=nprocs, start_method=method, start_reason=reason,
                                device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),
                                workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
@@ -311,6 +316,8 @@ def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress
             for rank in errors:
                 result.workers[rank].state = "failed"
             raise primary_error(errors)
+        for name, settings in run.settings.items():
+            apply_settings(result.modules[name], settings)
         result.status = "done"
     except KeyboardInterrupt:
         result.status = "interrupted"

@@ -21,6 +21,7 @@ from types import CodeType
 import torch
 from torch.utils.data import DataLoader
 
+from ..cell.module_settings import module_settings
 from ..procs.loaders import shard_loader
 from ..procs.seeding import seed_all
 from .sharing import match_optimizer_devices, private_state
@@ -44,6 +45,8 @@ class Channel:
         self.last_flush = 0.0
 
     def step(self, batch) -> None:
+        if not torch.is_grad_enabled():
+            return   # an evaluation pass: no training step
         self.steps += 1
         self.samples += _batch_len(batch)
         now = time.monotonic()
@@ -136,7 +139,8 @@ class _CountingLoader(DataLoader):
 
 def _prepare_loader(loader, rank: int, world: int, seed: int, reason: str | None, channel: Channel):
     if reason is None:
-        loader = shard_loader(loader, rank, world, split="dataset", seed=seed)
+        # an evaluation pass (gradients off) reads the whole loader: its accuracy is over every sample
+        loader = shard_loader(loader, rank, world, split="dataset", seed=seed, whole_without_grad=True)
     else:
         import copy
         loader = copy.copy(loader)
@@ -190,6 +194,9 @@ def train(ctx, meta: dict, data) -> None:
         exec(code, ns)
         if on_gpu:
             torch.cuda.synchronize()
+        if rank == 0:   # what the cell set on the model besides its shared tensors (model.eval())
+            ctx.send(("settings", {n: module_settings(ns[n]) for n in meta.get("modules", [])
+                                   if isinstance(ns.get(n), torch.nn.Module)}))
     finally:
         channel.flush()
         # Let go of the namespace (and the CUDA IPC handles of shared tensors) before saying done.
