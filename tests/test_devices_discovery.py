@@ -9,8 +9,16 @@ from gpumagic.devices import nvml
 from tests.fake_nvml import FakeNvml, four_gpu_machine, gpu, installed
 
 
+def cuda_torch(monkeypatch):
+    """torch as a CUDA build reports itself, so the fake GPUs are usable (this torch may be CPU-only)."""
+    import torch
+    if torch.version.cuda is None and torch.version.hip is None:
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+
+
 @pytest.fixture
 def machine(monkeypatch):
+    cuda_torch(monkeypatch)
     yield from installed(four_gpu_machine(), monkeypatch)
     session.set_picked_device(None)
 

@@ -16,6 +16,9 @@ from tests.fake_nvml import four_gpu_machine
 
 @pytest.fixture
 def fake_machine(monkeypatch):
+    import torch
+    if torch.version.cuda is None and torch.version.hip is None:  # a torch that can use the fake GPUs
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
     nvml.use(four_gpu_machine())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,1,3")
     yield
@@ -109,6 +112,46 @@ def test_notebook_shows_a_picker_and_picking_sets_the_device(notebook, fake_mach
     assert picker.value == "cpu"
     second = DevicePicker()
     assert second.value == "cpu"
+
+
+def test_one_utilisation_row_for_every_device(shell, fake_machine):
+    # Two rows both labelled "utilisation" (one for the GPUs, one for the CPU) read as a contradiction.
+    _, out, _ = run_cell(shell, "%gpuinfo")
+    rows = [line for line in out.splitlines() if line.startswith("utilisation")]
+    assert len(rows) == 1 and rows[0].startswith("utilisation (time busy)")
+    cells = rows[0].removeprefix("utilisation (time busy)").split()
+    assert cells[0].isdigit() and cells[1:] == ["%", "37", "%", "37", "%", "37", "%", "n/a"]  # cpu, cuda:0..3
+    assert sum(line.startswith("memory utilisation (time busy)") for line in out.splitlines()) == 1
+    report = shell.run_line_magic("gpuinfo", "--json")   # the data keep their own keys
+    assert "utilization_cpu" in report["devices"][0] and "utilization_gpu" in report["devices"][1]
+
+
+def test_closing_a_picker_closes_its_layout_and_style(notebook, fake_machine):
+    from ipywidgets.widgets.widget import _instances
+
+    from gpumagic.widgets.picker import DevicePicker
+    before = set(_instances)
+    picker = DevicePicker()
+    assert len(set(_instances) - before) == 3   # the Dropdown, its Layout and its DescriptionStyle
+    picker.close()
+    assert set(_instances) - before == set()
+
+
+def test_an_earlier_picker_keeps_working_after_another_gpuinfo(notebook, fake_machine):
+    # An older picker may still be shown in an earlier cell's output: the kernel cannot know it is
+    # gone, so it stays open (closed by %unload_ext) and keeps following the session.
+    from gpumagic.widgets.picker import _open, close_all_pickers
+    close_all_pickers()
+    try:
+        with capture_output(display=True):
+            notebook.run_line_magic("gpuinfo", "")
+            notebook.run_line_magic("gpuinfo", "")
+        first, second = list(_open)
+        assert first.widget.comm is not None and second.widget.comm is not None
+        gpumagic.set_current_device("cuda:2")
+        assert first.value == second.value == "cuda:2"
+    finally:
+        close_all_pickers()
 
 
 def test_terminal_shows_no_widget(shell, fake_machine):

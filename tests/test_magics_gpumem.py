@@ -65,5 +65,26 @@ def test_bad_input_names_the_choices(shell, machine):
 def test_help_lists_every_option(shell):
     with capture_output() as cap:
         shell.run_line_magic("pinfo", "%gpumem")
-    for option in ("--watch", "--interval S", "--stop", "--vars", "--free", "device"):
+    for option in ("--watch", "--interval S", "--stop", "--vars", "--free", "--json", "device"):
         assert option in cap.stdout
+
+
+def test_json_returns_the_reports_data_and_shows_nothing(shell, no_cuda_init):
+    # As `%gpuinfo --json`: the plain magic shows its report once and returns None (returning the report too
+    # would show it twice at the end of a cell); --json returns the data and shows nothing.
+    run_cell(shell, "import torch\nweights = torch.zeros(256, 1024)")
+    result, out, cap = run_cell(shell, "shown = %gpumem --vars")
+    assert result.success and "weights" in out and shell.user_ns["shown"] is None
+    result, out, cap = run_cell(shell, "held = %gpumem --vars --json")
+    assert result.success and out == "" and cap.outputs == []
+    held = shell.user_ns["held"]
+    assert held["variables"][0]["name"] == "weights" and held["variables"][0]["bytes"] == 1024 * 1024
+    assert held["totals"] == {"cpu": 1024 * 1024}
+    freed = shell.run_line_magic("gpumem", "--free --json")
+    assert isinstance(freed["collected"], int) and "cpu" in freed["devices"]
+    assert set(freed["devices"]["cpu"]) == {"measured", "before", "after", "freed"}
+    table = shell.run_line_magic("gpumem", "cpu --json")
+    assert list(table) == ["cpu"] and table["cpu"]["total"] > 0
+    for action in ("--watch", "--stop"):
+        with pytest.raises(UsageError, match=f"--json returns a report's data; {action} has none"):
+            shell.run_line_magic("gpumem", f"{action} --json")

@@ -52,3 +52,14 @@ def test_gauge_text_fallback_in_terminal(shell):
         assert "cpu [#####...............] 3.0 GiB / 12.0 GiB (25%)" in out
     finally:
         g.close()
+
+
+def test_closing_a_gauge_closes_every_widget_it_made():
+    # Each part's layout and style is a widget with a comm of its own (ipywidgets' close leaves them open).
+    before = set(_instances)
+    g = MemoryGauge("cuda:0", "NVIDIA H200")
+    made = set(_instances) - before
+    assert {g.layout.model_id, g.bar.style.model_id, g.label.style.model_id, g.text.layout.model_id} <= made
+    g.close()
+    assert set(_instances) - before == set()
+    g.close()  # closing twice is harmless

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -132,6 +133,17 @@ def test_rewatch_replaces_thread_and_gauges_stop_closes_them(notebook, machine):
     with capture_output() as cap:
         notebook.run_line_magic("gpumem", "--stop")  # stopping twice is harmless
     assert "No memory gauges were running." in cap.stdout
+
+
+def test_repeated_watch_then_stop_leaves_no_widget_open(notebook, machine):
+    # Repro of /tmp/pass_article/repro_widget_leak.py: 8 Layout/style comms stayed open per --watch.
+    before = Counter(type(w).__name__ for w in list(_instances.values()))
+    with capture_output(display=True):
+        for _ in range(10):
+            notebook.run_line_magic("gpumem", "--watch")
+        notebook.run_line_magic("gpumem", "--stop")
+    after = Counter(type(w).__name__ for w in list(_instances.values()))
+    assert after - before == Counter()
 
 
 def test_unload_ext_stops_the_thread_and_closes_gauges(notebook, machine):

@@ -7,6 +7,10 @@ are matched by UUID and PCI bus id, never by index. Once the user has
 initialised CUDA, torch's own UUIDs settle the mapping exactly. What
 ``%gpuinfo`` shows about each device is :mod:`.facts`.
 
+Where torch is a CPU-only build, the GPUs are still listed (they exist and
+``%gpuinfo`` shows them) but are never offered to cells: not the default
+device, not among the valid choices.
+
 Nothing here imports IPython's shell or creates a CUDA context.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Gpu", "visible_gpus", "available_devices", "parse_device", "default_device", "current_device",
     "set_current_device", "torch_cuda_initialized", "normalize_bus_id", "multiprocessors", "mps_available",
+    "torch_cpu_only", "cpu_only_note",
 ]
 
 
@@ -54,6 +59,34 @@ def torch_cuda_initialized() -> bool:
         return bool(torch.cuda.is_initialized())
     except AttributeError:  # torch is half imported: another thread is importing it right now
         return False
+
+
+def torch_cpu_only() -> bool:
+    """True when torch is built without CUDA and ROCm, so no cell can run on a GPU NVML shows.
+
+    Reads ``torch.version`` only: no driver call, no CUDA context. Imports torch.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    version = getattr(torch, "version", None)
+    return getattr(version, "cuda", None) is None and getattr(version, "hip", None) is None
+
+
+def cpu_only_note() -> str:
+    """What ``%gpuinfo`` says about GPUs a CPU-only torch cannot use, and how to get a CUDA build."""
+    import torch
+    # Worded like the refusal in gpumagic.ondevice.run._check_torch_cuda.
+    return (f"this torch ({torch.__version__}, CUDA not built) is a CPU-only build: cells cannot run on "
+            "the GPUs shown, so they are not offered as devices. For a CUDA build, reinstall torch from "
+            "PyPI, whose Linux wheels are built with CUDA: pip uninstall torch, then "
+            "pip install torch --index-url https://pypi.org/simple")
+
+
+def _usable(gpus: list[Gpu]) -> list[Gpu]:
+    """The GPUs a cell can run on: none where torch is a CPU-only build."""
+    return [] if gpus and torch_cpu_only() else gpus
 
 
 def normalize_bus_id(bus_id: str | bytes | None) -> str | None:
@@ -265,9 +298,12 @@ def mps_available() -> bool:
 
 
 def available_devices(gpus: list[Gpu] | None = None) -> list[str]:
-    """Every device a cell can run on, e.g. ``['cpu', 'cuda:0', 'cuda:1', 'meta']``."""
+    """Every device a cell can run on, e.g. ``['cpu', 'cuda:0', 'cuda:1', 'meta']``.
+
+    GPUs are left out where torch is a CPU-only build (:func:`torch_cpu_only`).
+    """
     gpus = visible_gpus() if gpus is None else gpus
-    names = ["cpu"] + [g.device for g in gpus]
+    names = ["cpu"] + [g.device for g in _usable(gpus)]
     if mps_available():
         names.append("mps")
     names.append("meta")
@@ -310,7 +346,9 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
         if not gpus:
             raise usage_error(f"device {text_spec!r} needs a GPU, and this machine has none visible", choices())
         if int(index) >= len(gpus):
-            raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible)", choices())
+            usable = "" if _usable(gpus) else ", none usable by this CPU-only torch"
+            raise usage_error(f"device {text_spec!r} is out of range ({len(gpus)} GPU(s) visible{usable})",
+                              choices())
         return f"cuda:{int(index)}"
     raise usage_error(f"unknown device {shown}", choices())
 
@@ -322,12 +360,12 @@ def _shown(spec, most: int = 60) -> str:
 
 
 def default_device(gpus: list[Gpu] | None = None) -> str:
-    """The picked device, else ``cuda:0`` where there is a GPU, else ``cpu``."""
+    """The picked device, else ``cuda:0`` where torch can use a GPU, else ``cpu``."""
     picked = session.picked_device()
     if picked:
         return picked
     gpus = visible_gpus() if gpus is None else gpus
-    return "cuda:0" if gpus else "cpu"
+    return "cuda:0" if _usable(gpus) else "cpu"
 
 
 def current_device():
@@ -345,6 +383,12 @@ def current_device():
 
 def set_current_device(spec) -> str:
     """Make ``spec`` the device later gpumagic cells run on; returns its canonical name."""
-    name = parse_device(spec)
+    gpus = visible_gpus()
+    name = parse_device(spec, gpus)
+    if name.startswith("cuda:") and not _usable(gpus):
+        import torch
+        # Refused here, not at the next cell: a picked device every cell then fails on helps no one.
+        raise usage_error(f"device {name!r} is not usable by this torch ({torch.__version__}, CUDA not built)",
+                          available_devices(gpus))
     session.set_picked_device(name)
     return name

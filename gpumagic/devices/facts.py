@@ -14,7 +14,15 @@ import platform
 from typing import Any
 
 from . import nvml
-from .discovery import Gpu, multiprocessors, normalize_bus_id, torch_cuda_initialized, visible_gpus
+from .discovery import (
+    Gpu,
+    cpu_only_note,
+    multiprocessors,
+    normalize_bus_id,
+    torch_cpu_only,
+    torch_cuda_initialized,
+    visible_gpus,
+)
 from .memory import torch_allocator
 
 logger = logging.getLogger(__name__)
@@ -45,6 +53,8 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     elif not gpus:
         notes.append("NVML sees no GPU visible to this process (CUDA_VISIBLE_DEVICES="
                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    elif torch_cpu_only():
+        notes.append(cpu_only_note())
     if device in (None, "cpu"):
         found.append(cpu_facts())
     for gpu in gpus:

@@ -293,6 +293,14 @@ class FreeReport:
                 return row
         raise KeyError(device)
 
+    def as_dict(self) -> dict:
+        return {
+            "collected": self.collected,
+            "devices": {r.device: {"measured": r.what, "before": r.before, "after": r.after, "freed": r.freed}
+                        for r in self.rows},
+            "notes": list(self.notes),
+        }
+
     def _cells(self):
         return [[r.device, r.what, fmt_bytes(r.before), fmt_bytes(r.after), fmt_bytes(r.freed)]
                 for r in self.rows]

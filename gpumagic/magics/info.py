@@ -9,6 +9,7 @@ from .args import parse
 
 # (label, key, formatter) rows of the table; devices are its columns.
 _B = display.fmt_bytes
+UTILISATION = "utilisation (time busy)"
 ROWS = [
     ("name", "name", str),
     ("uuid", "uuid", str),
@@ -22,9 +23,11 @@ ROWS = [
     ("torch reserved", "torch_reserved", _B),
     ("torch peak", "torch_peak", _B),
     ("kernel resident", "process_rss", _B),
-    ("utilisation", "utilization_gpu", lambda v: f"{v} %"),
-    ("utilisation", "utilization_cpu", lambda v: f"{v:.0f} %"),
-    ("memory utilisation", "utilization_memory", lambda v: f"{v} %"),
+    # One row for one meaning, the share of recent time the device was busy: for a GPU,
+    # time a kernel ran (NVML); for the CPU, all cores' busy time (psutil). Each device
+    # has one of the two keys, so they share the row instead of making two "utilisation" rows.
+    (UTILISATION, "utilization", lambda v: f"{v:.0f} %"),
+    ("memory utilisation (time busy)", "utilization_memory", lambda v: f"{v} %"),
     ("cores (logical/physical)", "cores_logical", None),
     ("temperature", "temperature_c", lambda v: f"{v} C"),
     ("power", "power_w", lambda v: f"{v:.0f} W"),
@@ -57,6 +60,8 @@ def _cell(device: dict, key: str, formatter) -> str | None:
         if not peers:
             return display.NA if peers is None else "none"
         return ", ".join(f"{peer} ({links} links)" for peer, links in peers.items())
+    if key == "utilization":
+        key = "utilization_gpu" if is_gpu else "utilization_cpu"
     if key not in device:
         return None
     value = device[key]
@@ -101,6 +106,26 @@ def _attribute_rows(devs: list[dict]) -> list[list[str]]:
     return [[n, *[str(d["attributes"].get(n, display.NA)) for d in with_attrs]] for n in names]
 
 
+def shown_device(spec) -> str:
+    """``spec`` as a canonical device name; errors name every device ``%gpuinfo`` can show.
+
+    That is every device a cell can run on, plus GPUs that a CPU-only torch
+    cannot use: they exist, so their facts are shown.
+    """
+    from ..devices import available_devices, parse_device, visible_gpus
+    from ..devices.discovery import torch_cpu_only
+    from ..errors import UsageError, usage_error
+    gpus = visible_gpus()
+    try:
+        return parse_device(spec, gpus)
+    except UsageError as exc:
+        if not gpus or not torch_cpu_only():
+            raise
+        choices = available_devices(gpus)
+        choices[1:1] = [g.device for g in gpus]
+        raise usage_error(str(exc).split("; valid choices")[0], choices) from None
+
+
 @magics_class
 class InfoMagics(Magics):
 
@@ -126,11 +151,10 @@ class InfoMagics(Magics):
             %gpuinfo cuda:1 --all
             facts = %gpuinfo --json
         """
-        from ..devices import parse_device
         from ..devices.facts import device_report
 
         args = parse(self.gpuinfo, line)
-        device = parse_device(args.device) if args.device is not None else None
+        device = shown_device(args.device) if args.device is not None else None
         report = device_report(device, with_pycuda=args.all_attributes)
         if args.json:
             return report

@@ -29,6 +29,9 @@ def check_args(args, gpus) -> str | None:
     chosen = [flag for flag in _ACTIONS if getattr(args, flag[2:])]
     if len(chosen) > 1:
         raise usage_error(f"{' and '.join(chosen)} cannot be combined; pick one", _ACTIONS)
+    if args.json and (args.watch or args.stop):
+        raise usage_error(f"--json returns a report's data; {chosen[0]} has none",
+                          ["%gpumem --json", "%gpumem --vars --json", "%gpumem --free --json"])
     if args.interval is not None:
         if not args.watch:
             raise usage_error("--interval only applies to --watch", ["--watch --interval S"])
@@ -45,6 +48,19 @@ def check_args(args, gpus) -> str | None:
     if device not in choices:
         raise usage_error(f"device {device!r} holds no memory to show", choices)
     return device
+
+
+def _report(shell, result, as_json: bool) -> dict | None:
+    """``--json``: the report's plain data, shown nowhere; else show it and return None.
+
+    As ``%gpuinfo`` does: returning the report and showing it too would show it
+    twice when the magic ends a cell, and showing it only as the cell's value
+    would show nothing when the magic is not the cell's last line.
+    """
+    if as_json:
+        return result.as_dict()
+    _show(shell, result)
+    return None
 
 
 def _show(shell, result) -> None:
@@ -86,6 +102,8 @@ class MemoryMagics(Magics):
               help="which notebook variables hold memory on which device, largest first")
     @argument("--free", action="store_true",
               help="collect garbage, release torch's cached blocks, report what was freed")
+    @argument("--json", action="store_true",
+              help="return the report as a plain dict instead of showing it (the table, --vars, --free)")
     @line_magic
     def gpumem(self, line=""):
         """Memory per device: used/total, this kernel's share, torch's allocator figures.
@@ -105,6 +123,7 @@ class MemoryMagics(Magics):
             %gpumem --stop
             %gpumem --vars             # tensors, models, optimizer state by variable
             %gpumem --free             # gc + empty_cache, and what it gave back
+            held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
         from ..devices import memory, variables, visible_gpus
         args = parse(self.gpumem, line)
@@ -122,13 +141,11 @@ class MemoryMagics(Magics):
         if args.vars:
             report = variables.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
                                                device=device)
-            _show(self.shell, report)
-            return None
+            return _report(self.shell, report, args.json)
         if args.free:
-            _show(self.shell, variables.free_memory(device, history=self.shell.user_ns.get("Out")))
-            return None
-        _show(self.shell, memory.snapshot(device, gpus))
-        return None
+            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"))
+            return _report(self.shell, freed, args.json)
+        return _report(self.shell, memory.snapshot(device, gpus), args.json)
 
 
 def _stop_monitor() -> bool:

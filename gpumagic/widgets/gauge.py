@@ -12,6 +12,7 @@ import html
 from ipywidgets import HTML, FloatProgress, HBox, Layout
 
 from ..display import NA, fmt_bytes
+from .closing import close_tree
 
 __all__ = ["MemoryGauge", "bar_style_for"]
 
@@ -105,6 +106,5 @@ class MemoryGauge(HBox):
         p.text(self.text_line())
 
     def close(self):
-        for child in (self.label, self.bar, self.text):
-            child.close()
-        super().close()
+        """Close the gauge with its parts, their layouts and styles included."""
+        close_tree(self)

@@ -21,6 +21,7 @@ from ipywidgets import VBox
 from .. import session
 from ..devices import memory
 from ..display import fmt_bytes
+from .closing import close_tree
 from .gauge import MemoryGauge
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ class GaugeBox(VBox):
 
     def __repr__(self):
         return "\n".join(repr(child) for child in self.children)
+
+    def close(self):
+        """Close the box, its gauges and every layout and style they made."""
+        close_tree(self)
 
 
 class Monitor:
@@ -136,9 +141,7 @@ class Monitor:
         if close and not self.closed:
             with self._tick_lock:
                 self.closed = True
-                for gauge in self.gauges.values():
-                    gauge.close()
-                self.box.close()
+                self.box.close()  # the gauges too, with their layouts and styles
 
     def restart(self, interval: float | None = None) -> Monitor:
         """Restart the thread, optionally with a new interval; the gauges stay."""

@@ -14,6 +14,7 @@ import weakref
 
 from .. import devices, session
 from ..display import fmt_bytes
+from .closing import close_tree
 
 __all__ = ["DevicePicker", "device_options", "close_all_pickers"]
 
@@ -47,7 +48,9 @@ class DevicePicker:
         if report_devices is None:
             from ..devices.facts import device_report
             report_devices = device_report()["devices"]
-        listed = [d for d in report_devices if d["device"] != "meta"] + [{"device": "meta"}]
+        # Only what a cell can run on: GPUs a CPU-only torch cannot use are shown by %gpuinfo, not offered.
+        usable = devices.available_devices()
+        listed = [d for d in report_devices if d["device"] in usable and d["device"] != "meta"] + [{"device": "meta"}]
         options = device_options(listed)
         current = devices.default_device()
         values = [v for _, v in options]
@@ -82,7 +85,7 @@ class DevicePicker:
 
     def close(self) -> None:
         self._unlisten()
-        self.widget.close()
+        close_tree(self.widget)  # its layout and style have comms of their own
         _open.discard(self)
 
     def _ipython_display_(self):
