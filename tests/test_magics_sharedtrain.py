@@ -241,6 +241,19 @@ def test_fork_trains_the_notebook_model(shell):
     hygiene.check_released(shell)
 
 
+def test_a_forked_worker_is_not_ipython(shell):
+    """tqdm.auto and rich ask get_ipython() whether to draw widgets; a forked worker cannot reach the
+    notebook's sockets, so it must answer as a plain process (and the kernel's shell stays itself)."""
+    run_cell(shell, SETUP)
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\nimport IPython\n"
+                                     "model(data.x[:1])\nreport(plain=IPython.get_ipython() is None)\n")
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    assert [trained.history[r][0]["plain"] for r in range(2)] == [True, True]
+    import IPython
+    assert IPython.get_ipython() is shell
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_fresh_workers_run_notebook_classes_and_copy_the_optimizer(shell, method):
     hygiene = Hygiene()

@@ -29,7 +29,7 @@ from types import CodeType
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty",
-           "cell_label", "is_cell"]
+           "cell_label", "is_cell", "remember_cells_of"]
 
 # IPython's own name for a cell (IPython.core.compilerop.code_name), which carries its number.
 _INPUT_NAME = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
@@ -71,6 +71,12 @@ def register_source(filename: str, source: str) -> None:
     lines = [line + "\n" for line in source.splitlines()]
     linecache.cache[filename] = (len(source), None, lines, filename)
     _registered.add(filename)
+
+
+def remember_cells_of(shell) -> None:
+    """Every cell ``shell`` has compiled counts as a cell here even once there is no shell (a forked
+    worker lets go of it): tracebacks still start at the user's code."""
+    _registered.update(getattr(getattr(shell, "compile", None), "_filename_map", None) or ())
 
 
 def _running_shell():

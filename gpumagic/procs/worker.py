@@ -213,7 +213,8 @@ def _prepare_process(config: WorkerConfig) -> None:
 
 
 def _detach_display() -> None:
-    """In a forked worker, ``display()`` prints (forwarded) instead of using the kernel's sockets.
+    """In a forked worker, ``display()`` prints (forwarded) instead of using the kernel's sockets, and
+    ``get_ipython()`` is ``None``, as in any process that is not IPython.
 
     The kernel's ZeroMQ sockets are not fork-safe: a child sending on them
     could corrupt the notebook's output channel.
@@ -232,6 +233,12 @@ def _detach_display() -> None:
 
     publisher.publish = publish
     publisher.clear_output = lambda *args, **kwargs: None
+    # And the process stops being IPython's: code that asks get_ipython() whether it runs in a
+    # notebook (tqdm.auto, rich) would make widgets whose messages cannot reach it from here.
+    from ..cell.compile import remember_cells_of
+    shell = module.InteractiveShell.instance()
+    remember_cells_of(shell)
+    type(shell).clear_instance()
 
 
 def _start_up(config: WorkerConfig) -> dict:
