@@ -14,6 +14,18 @@ def test_plan_picks_cpu_processes_without_gpus():
     assert make_plan(strategy="dp", gpus=[]).devices == ["cpu"]
 
 
+def test_gpus_a_cpu_only_torch_cannot_use_hold_no_ranks(monkeypatch):
+    from gpumagic import devices
+    from gpumagic.devices import Gpu
+    gpus = [Gpu(0, "GPU-a", None, "Fake GPU"), Gpu(1, "GPU-b", None, "Fake GPU")]
+    monkeypatch.setattr(devices, "torch_cpu_only", lambda: True)
+    plan = make_plan(gpus=gpus)
+    assert (plan.devices, plan.backend) == (["cpu", "cpu"], "gloo")
+    with pytest.raises(UsageError, match=r"--devices cuda:0,cuda:1: GPUs are not usable by this torch .*"
+                                         r"valid choices: cpu"):
+        make_plan(devices="cuda:0,cuda:1", gpus=gpus)
+
+
 @pytest.mark.parametrize("kwargs, says", [
     (dict(nprocs=0), "--nprocs 1"),
     (dict(devices="tpu"), "valid choices: cpu"),

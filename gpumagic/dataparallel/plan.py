@@ -73,6 +73,13 @@ def make_plan(*, devices: str | None = None, nprocs: int | None = None, strategy
     """
     from .. import devices as devmod
     gpus = devmod.visible_gpus() if gpus is None else gpus
+    if gpus and devmod.torch_cpu_only():
+        # GPUs this torch cannot use hold no rank: ranks go where they would on a machine without them.
+        if any(d != "cpu" for d in _listed_devices(devices, gpus)):
+            import torch
+            raise usage_error(f"--devices {devices}: GPUs are not usable by this torch ({torch.__version__}, "
+                              "CUDA not built)", ["cpu"])
+        gpus = []
     strategy = (strategy or "ddp").lower()
     backend = _check_options(strategy, nprocs, timeout, backend, bucket_mb, len(gpus))
     _check_fsdp_options(strategy, wrap, keep_optimizer, static_graph=static_graph, find_unused=find_unused,

@@ -20,10 +20,11 @@ from .discovery import (
     default_device,
     parse_device,
     set_current_device,
+    torch_cpu_only,
     torch_cuda_initialized,
     visible_gpus,
 )
 from .facts import cpu_facts, gpu_facts
 
 __all__ = ["Gpu", "visible_gpus", "gpu_facts", "cpu_facts", "available_devices", "parse_device",
-           "default_device", "current_device", "set_current_device", "torch_cuda_initialized"]
+           "default_device", "current_device", "set_current_device", "torch_cuda_initialized", "torch_cpu_only"]
