@@ -108,6 +108,10 @@ def test_magic_bad_input_raises_usage_error_before_any_process(shell):
         (f"{CPU2} --model opt", TRAIN, "model"),           # names the modules that exist
         (f"{CPU2} --model nothing", TRAIN, "no such variable"),
         (CPU2, "z = X.sum()\n", "uses no torch.nn.Module"),
+        # a whole tutorial pasted as one cell: the model it builds is named, with where to build it
+        (CPU2, "net = torch.nn.Sequential(torch.nn.Linear(4, 1))\nfor x, y in loader:\n    net(x)\n",
+         "(the cell builds net itself: every rank would start from other weights, and nothing would come back "
+         "into the notebook; build it in an earlier cell and train it here)"),
     ]
     for line, body, says in cases:
         with pytest.raises(UsageError) as err:

@@ -105,9 +105,12 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     ns = shell.user_ns
     used = read_names(tree, shell) if used is None else used
     probe = names_tree(used)
+    built = _modules_built(tree, ns)
+    hint = (f" (the cell builds {', '.join(built)} itself: every rank would start from other weights, and nothing "
+            "would come back into the notebook; build it in an earlier cell and train it here)" if built else "")
     modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch,
-                           hint="; or, where the cell trains through a framework that reading it did not show "
-                                "(a Trainer, Accelerator or Fabric behind a call), run it with --launch")
+                           hint=hint + "; or, where the cell trains through a framework that reading it did not "
+                                       "show (a Trainer, Accelerator or Fabric behind a call), run it with --launch")
     optimizers = find_optimizers(probe, ns, modules)
     read_loaders = find_loaders(probe, ns)
     for name, loader in read_loaders.items():
@@ -149,6 +152,31 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         set_attributes={n: attrs for n, attrs in attributes_assigned(tree).items() if n in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
+
+
+def _modules_built(tree, ns: dict) -> list[str]:
+    """Names the cell binds to a new ``torch.nn.Module`` (``net = nn.Sequential(...)``, ``model = Net()``),
+    where the class is the notebook's or torch's."""
+    import torch
+    built = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            chain = _dotted(node.value.func)
+            cls = ns.get(chain[0]) if chain else None
+            for attr in chain[1:]:
+                cls = getattr(cls, attr, None)
+            if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+                built += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return built
+
+
+def _dotted(node) -> list[str]:
+    """``nn.Sequential`` as ``["nn", "Sequential"]``; ``[]`` for anything but a name or attribute chain."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(attrs)] if isinstance(node, ast.Name) else []
 
 
 def _loaders_built(tree) -> list[str]:
