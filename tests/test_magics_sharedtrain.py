@@ -241,6 +241,22 @@ def test_fork_trains_the_notebook_model(shell):
     hygiene.check_released(shell)
 
 
+def test_steps_are_optimizer_steps_also_with_loaders_and_optimizers_made_in_the_worker(shell):
+    """mnist_hogwild's train(): each worker builds its own DataLoader and SGD; the summary counted 0 steps."""
+    run_cell(shell, SETUP + textwrap.dedent("""
+        def train(rank, model):
+            own = DataLoader(data, batch_size=64, shuffle=True)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y, idx in own:
+                optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+    """))
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\ntrain(rank, model)\n")
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    assert [w.steps for w in trained.workers] == [8, 8]          # 512 samples at 64: 8 steps each
+    assert "trained 'model': 16 steps" in out or "16 steps" in out, out
+
+
 def test_a_forked_worker_is_not_ipython(shell):
     """tqdm.auto and rich ask get_ipython() whether to draw widgets; a forked worker cannot reach the
     notebook's sockets, so it must answer as a plain process (and the kernel's shell stays itself)."""

@@ -38,17 +38,32 @@ class Channel:
 
     def __init__(self, send, t0: float):
         self._send, self.t0 = send, t0
-        self.steps = self.samples = self.reports = 0
+        self.batches = self.optimizer_steps = self.samples = self.reports = 0
         self.counting = False
         self.first: float | None = None
         self.buffer: list = []
         self.last_flush = 0.0
 
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken; where the cell steps no optimizer (updates by hand), training batches."""
+        return self.optimizer_steps or self.batches
+
     def step(self, batch) -> None:
+        """A batch from a notebook loader."""
         if not torch.is_grad_enabled():
             return   # an evaluation pass: no training step
-        self.steps += 1
+        self.batches += 1
         self.samples += _batch_len(batch)
+        self._stepped()
+
+    def optimizer_step(self, *args) -> None:
+        """Any optimizer's step (a global hook: the cell's own optimizers count too)."""
+        self.optimizer_steps += 1
+        self.counting = True
+        self._stepped()
+
+    def _stepped(self) -> None:
         now = time.monotonic()
         if self.first is None:
             self.first = now - self.t0
@@ -190,6 +205,8 @@ def train(ctx, meta: dict, data) -> None:
     ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
     if meta["set_device_name"]:
         ns["device"] = torch.device(meta["device"])
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    hook = register_optimizer_step_post_hook(channel.optimizer_step)
     try:
         exec(code, ns)
         if on_gpu:
@@ -198,6 +215,7 @@ def train(ctx, meta: dict, data) -> None:
             ctx.send(("settings", {n: module_settings(ns[n]) for n in meta.get("modules", [])
                                    if isinstance(ns.get(n), torch.nn.Module)}))
     finally:
+        hook.remove()
         channel.flush()
         # Let go of the namespace (and the CUDA IPC handles of shared tensors) before saying done.
         ns.clear()
