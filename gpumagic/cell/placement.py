@@ -57,7 +57,11 @@ runs on one device. ``*_like`` factories follow their input, as under
 torch's own default device, except that an input on another CUDA device
 is followed to DEVICE. Explicit CPU placement (``device='cpu'``,
 ``torch.FloatTensor(...)`` without ``.cuda()``) is left alone; values that
-stand for the cell's device (:mod:`.device_values`) follow it.
+stand for the cell's device (:mod:`.device_values`) follow it. A CUDA
+spelling held as a value (``dev = torch.device('cuda')``,
+``T = torch.cuda.FloatTensor``) keeps meaning CUDA (:mod:`.placement_values`):
+``x.to(dev)`` copies a CPU tensor as a GPU would. The code of ``%time``,
+``%timeit`` and ``%prun`` in the cell is rewritten too (:mod:`.placement_magics`).
 
 Examples
 --------
@@ -78,7 +82,16 @@ from collections.abc import Iterator
 
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
-from .placement_rewrite import HELPER, LEGACY_TYPES, PlacementRewriter, is_cuda_name, lookup, rewrite_placement
+from .placement_rewrite import (
+    HELPER,
+    LEGACY_TYPES,
+    PlacementRewriter,
+    is_cuda_name,
+    is_cuda_type_name,
+    lookup,
+    rewrite_placement,
+)
+from .placement_values import TypedTensor, said_cuda, says_cuda
 
 __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_placement", "passthrough",
            "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
@@ -92,17 +105,18 @@ class Placement(CudaCalls):
     ``made_for`` is the device of the cell whose code uses it (see :func:`made_for`).
     """
 
-    __slots__ = ("target", "cuda_target", "_torch", "_kind", "made_for")
+    __slots__ = ("target", "cuda_target", "said_cuda", "_torch", "_kind", "_types", "made_for")
 
     def __init__(self, target=None) -> None:
         import torch
         self._torch = torch
         self.made_for: str | None = None
+        self._types: dict[str, TypedTensor] = {}
         self._aim(target)
 
     def _aim(self, target) -> None:
         if target is None:
-            self.target = None
+            self.target = self.said_cuda = None
             self.cuda_target = "cuda"   # what ``.cuda()`` means without a target
             self._kind = None
             return
@@ -111,6 +125,8 @@ class Placement(CudaCalls):
             raise ValueError("Placement needs an indexed CUDA device, e.g. 'cuda:0'")
         # The one object that stands for the device, so that values made from it keep following.
         self.target = self.cuda_target = stand_in(device)
+        # What a CUDA spelling gives: the same device, remembered as asked for as CUDA (see ``to``).
+        self.said_cuda = said_cuda(device)
         self._kind = device.type
 
     def __repr__(self):
@@ -144,8 +160,11 @@ class Placement(CudaCalls):
         """``torch.device(...)``."""
         __tracebackhide__ = True
         made = self._torch.device(*args, **kwargs)
-        if self.target is not None and (made.type == "cuda" or (args and stands_for_cell_device(args[0]))):
-            return self.target
+        if self.target is not None:
+            if made.type == "cuda" or (args and says_cuda(args[0])):
+                return self.said_cuda
+            if args and stands_for_cell_device(args[0]):
+                return self.target
         return made
 
     def _copy_from_cpu(self, tensor) -> bool:
@@ -173,47 +192,70 @@ class Placement(CudaCalls):
         return obj.cuda(*args, **kwargs)
 
     def to(self, obj, *args, **kwargs):
-        """``obj.to(...)``: CUDA devices among the arguments become the target."""
+        """``obj.to(...)``: CUDA devices among the arguments become the target.
+
+        Asked for a CUDA device as written (``'cuda'``, ``torch.device('cuda')``, a device made from
+        one in the cell), a CPU tensor on a CPU target is copied, as a GPU would make a new tensor;
+        a value that holds the cell's device after a cell (``'cpu'``) moves nothing, as torch's
+        ``.to(own device)`` returns the tensor. Modules move in place, as in torch.
+        """
         __tracebackhide__ = True
         torch = self._torch
         if self.target is None:
             return obj.to(*args, **kwargs)
         is_tensor = isinstance(obj, torch.Tensor)
         is_torch = is_tensor or isinstance(obj, torch.nn.Module)
-        moved = False
+        asked_cuda = False
         if args:
             first = args[0]
             if isinstance(first, torch.Tensor):
                 if is_torch and first.device.type == "cuda" and first.device != self.target:
                     # ``to(other)`` means other's device and dtype.
                     args = (self.target, first.dtype, *args[1:])
-                    moved = True
+                    asked_cuda = True
             elif isinstance(first, int) and not isinstance(first, bool):
                 if is_torch:
                     args = (self.target, *args[1:])
-                    moved = True
+                    asked_cuda = True
             else:
-                mapped = self.map(first)
-                if mapped is not first:
-                    args = (mapped, *args[1:])
-                    moved = not stands_for_cell_device(first)
+                asked_cuda = says_cuda(first)
+                args = (self.map(first), *args[1:])
         if "device" in kwargs:
-            mapped = self.map(kwargs["device"])
-            if mapped is not kwargs["device"]:
-                moved = moved or not stands_for_cell_device(kwargs["device"])
-                kwargs["device"] = mapped
-        if moved and is_tensor and "copy" not in kwargs and len(args) < 4 and self._copy_from_cpu(obj):
+            asked_cuda = asked_cuda or says_cuda(kwargs["device"])
+            kwargs["device"] = self.map(kwargs["device"])
+        if asked_cuda and is_tensor and "copy" not in kwargs and len(args) < 4 and self._copy_from_cpu(obj):
             kwargs["copy"] = True
         return obj.to(*args, **kwargs)
 
     def retype(self, obj, kind):
-        """``x.type(torch.cuda.HalfTensor)`` / ``x.type('torch.cuda.HalfTensor')``."""
+        """``x.type(torch.cuda.HalfTensor)``, ``x.type('torch.cuda.HalfTensor')``, ``x.type(T)`` (any ``T``)."""
         __tracebackhide__ = True
-        if self.target is None:
+        if isinstance(kind, TypedTensor):
+            return kind.convert(obj)
+        if isinstance(kind, str):
+            name = kind
+        else:
+            name = f"{getattr(kind, '__module__', '')}.{getattr(kind, '__name__', '')}"
+        if self.target is None or not is_cuda_type_name(name):
             return obj.type(kind)
-        name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__name__}"
         dtype = getattr(lookup(name.replace("torch.cuda.", "torch.", 1)), "dtype", None)
         return obj.to(self.target, dtype)
+
+    def tensor_type(self, cls):
+        """A bare ``torch.cuda.FloatTensor`` (``T = torch.cuda.FloatTensor``, ``isinstance(x, ...)``).
+
+        The class itself where it works (a CUDA target, or none); elsewhere a :class:`TypedTensor`
+        that builds its tensors where this helper is aimed.
+        """
+        if isinstance(cls, TypedTensor):
+            cls = cls._cls
+        if self.target is None or self._kind == "cuda" or not isinstance(cls, type) \
+                or not is_cuda_type_name(f"{cls.__module__}.{cls.__name__}"):
+            return cls   # a name the rewrite took for a CUDA type but that holds something else now
+        made = self._types.get(cls.__name__)
+        if made is None:
+            made = self._types[cls.__name__] = TypedTensor(self, cls)
+        return made
 
     # -- making ---------------------------------------------------------------
     def legacy(self, cls, *args, **kwargs):

@@ -38,7 +38,7 @@ import contextlib
 import time
 from typing import Any
 
-from .device_values import DeviceName, stand_in
+from .placement_values import said_cuda, said_cuda_name
 
 __all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer"]
 
@@ -239,14 +239,14 @@ class CudaCalls:
     def accelerator(self, fn, *args, **kwargs):
         """``torch.accelerator.current_accelerator()``: DEVICE (a value that stays the cell's device)."""
         __tracebackhide__ = True
-        return fn(*args, **kwargs) if self.target is None else stand_in(self.target)
+        return fn(*args, **kwargs) if self.target is None else said_cuda(self.target)
 
     def accelerator_type(self, fn, *args, **kwargs):
         """``torch.accelerator.current_accelerator().type``: DEVICE's type, as the quickstart reads it."""
         __tracebackhide__ = True
         if self.target is None:
             return fn(*args, **kwargs).type
-        return DeviceName(self.target.type)
+        return said_cuda_name(self.target.type)
 
     # -- queries ------------------------------------------------------------------
     def _on_target(self, fn, args: tuple, kwargs: dict):

@@ -1,9 +1,11 @@
 """The AST half of the placement rewrite: CUDA-specific spellings -> calls on :data:`HELPER`.
 
 :class:`PlacementRewriter` rewrites a cell's tree so that ``.cuda()``,
-``'cuda:0'``, ``torch.device('cuda')``, ``torch.cuda.FloatTensor(...)`` and
-the ``torch.cuda`` calls go through one helper name, and gives factories an
-explicit ``device=``; :mod:`gpumagic.cell.placement` explains what each
+``'cuda:0'``, ``torch.device('cuda')``, ``torch.cuda.FloatTensor(...)`` (and
+the bare ``torch.cuda.FloatTensor``) and the ``torch.cuda`` calls go through
+one helper name, and gives factories an explicit ``device=``; the code of
+``%time``/``%timeit``/``%prun`` inside the cell is rewritten the same way
+(:mod:`.placement_magics`); :mod:`gpumagic.cell.placement` explains what each
 rewritten spot means and holds the :class:`~gpumagic.cell.placement.Placement`
 object the helper name is bound to. Nothing here imports torch.
 """
@@ -14,8 +16,10 @@ import sys
 from functools import lru_cache
 from types import ModuleType
 
+from .placement_magics import rewrite_magic_call
+
 __all__ = ["HELPER", "LEGACY_TYPES", "FACTORIES", "LIKE_FACTORIES", "PlacementRewriter", "rewrite_placement",
-           "is_cuda_name", "lookup"]
+           "is_cuda_name", "is_cuda_type_name", "lookup"]
 
 #: The one name the rewritten code uses; bound in the cell's namespace while it runs.
 HELPER = "__gpumagic_device__"
@@ -79,6 +83,11 @@ _UNBOUND = {"torch.Tensor.cuda": "cuda", "torch.nn.Module.cuda": "cuda",
 def is_cuda_name(value) -> bool:
     """``'cuda'``, ``'cuda:1'`` (what torch.device parses as CUDA)."""
     return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:"))
+
+
+def is_cuda_type_name(name) -> bool:
+    """``'torch.cuda.FloatTensor'`` and the other CUDA typed-tensor names."""
+    return name in _LEGACY_CUDA
 
 
 def _is_cuda_constant(value) -> bool:
@@ -231,6 +240,7 @@ class PlacementRewriter(ast.NodeTransformer):
         self.nested = False
         self._depth = 0
         self._resolver: _Resolver | None = None
+        self._kept: set[int] = set()   # ids of typed-tensor names a call rewrites itself (see visit_Call)
 
     # -- entry points and scopes ------------------------------------------
     def visit(self, node):
@@ -271,6 +281,15 @@ class PlacementRewriter(ast.NodeTransformer):
         node.keywords.append(ast.copy_location(ast.keyword(arg="device", value=value), node))
 
     # -- the rewrite -------------------------------------------------------
+    def _typed_tensor(self, node):
+        """A bare ``torch.cuda.FloatTensor`` (``T = torch.cuda.FloatTensor``, ``x.type(dtype)``) -> a stand-in."""
+        if isinstance(node.ctx, ast.Load) and id(node) not in self._kept and self._dotted(node) in _LEGACY_CUDA:
+            return self._call("tensor_type", [node], [], node)
+        return node
+
+    def visit_Name(self, node: ast.Name):
+        return self._typed_tensor(node)
+
     def visit_Attribute(self, node: ast.Attribute):
         inner = node.value
         if node.attr == "type" and isinstance(node.ctx, ast.Load) and isinstance(inner, ast.Call) \
@@ -283,16 +302,32 @@ class PlacementRewriter(ast.NodeTransformer):
         self.generic_visit(node)
         if node.attr == "is_cuda" and isinstance(node.ctx, ast.Load) and self._dotted(node.value) is None:
             return self._call("is_cuda", [node.value], [], node)
-        return node
+        return self._typed_tensor(node)
 
     def visit_Call(self, node: ast.Call):
         folded = self._fold(node)
         if folded is not None:
             return folded
-        self.generic_visit(node)
-        self._rewrite_keywords(node)
         func = node.func
         name = self._dotted(func)
+        # ``torch.cuda.FloatTensor(...)`` and ``x.type(torch.cuda.HalfTensor)`` are rewritten as calls.
+        if name in _LEGACY_CUDA:
+            self._kept.add(id(func))
+        elif isinstance(func, ast.Attribute) and func.attr == "type" and len(node.args) == 1 \
+                and self._is_cuda_type(node.args[0]):
+            self._kept.add(id(node.args[0]))
+        magic = self._magic(node)
+        if magic is not None:
+            return magic
+        self.generic_visit(node)
+        func = node.func
+        # ``.to(device=...)`` maps its own device keyword, seeing what the user asked for (Placement.to).
+        if name is not None:
+            to_call = _UNBOUND.get(name) == "to"
+        else:
+            to_call = isinstance(func, ast.Attribute) and func.attr == "to"
+        if not to_call:
+            self._rewrite_keywords(node)
 
         if name is None and isinstance(func, ast.Attribute):
             return self._method(node, func)
@@ -328,7 +363,7 @@ class PlacementRewriter(ast.NodeTransformer):
             return self._call("cuda", [receiver, *node.args], node.keywords, node)
         if attr == "to" and self._to_may_move(node):
             return self._call("to", [receiver, *node.args], node.keywords, node)
-        if attr == "type" and len(node.args) == 1 and not node.keywords and self._is_cuda_type(node.args[0]):
+        if attr == "type" and len(node.args) == 1 and not node.keywords and self._type_may_be_cuda(node.args[0]):
             return self._call("retype", [receiver, node.args[0]], [], node)
         if attr == "pin_memory" and not node.args and not node.keywords:
             return self._call("pin_memory", [receiver], [], node)
@@ -357,6 +392,36 @@ class PlacementRewriter(ast.NodeTransformer):
         if isinstance(node, ast.Constant):
             return node.value in _LEGACY_CUDA
         return self._dotted(node) in _LEGACY_CUDA
+
+    def _type_may_be_cuda(self, node) -> bool:
+        """``x.type(T)``: T may be a CUDA type held in a name (``dtype = torch.cuda.FloatTensor``)."""
+        if isinstance(node, ast.Constant):
+            return node.value in _LEGACY_CUDA
+        dotted = self._dotted(node)
+        if dotted is None or dotted in _LEGACY_CUDA:
+            return True
+        if dotted in _LEGACY_CPU:
+            return False
+        torch = sys.modules.get("torch")
+        return not (torch is not None and isinstance(lookup(dotted), torch.dtype))
+
+    def _magic(self, node: ast.Call):
+        """``%timeit``, ``%time``, ``%prun`` (and their cell forms) inside the cell: their code too."""
+        changed = rewrite_magic_call(node, self._rewrite_code)
+        if changed is None:
+            return None
+        self.rewrites += 1
+        self.nested = self.nested or bool(self._depth)
+        return changed
+
+    def _rewrite_code(self, tree: ast.Module) -> int:
+        inner = PlacementRewriter(self.namespace, self.helper)
+        inner._resolver = _Resolver(tree, self.namespace)
+        if self._resolver is not None:   # the cell's imports hold in the magic's code too
+            inner._resolver.imports = {**self._resolver.imports, **inner._resolver.imports}
+        inner.visit(tree)
+        self.nested = self.nested or inner.nested
+        return inner.rewrites
 
     def _fold(self, node: ast.Call):
         """``torch.FloatTensor(d).cuda()`` and ``torch.zeros(n).cuda()`` allocate on DEVICE directly."""
