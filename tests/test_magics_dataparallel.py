@@ -367,6 +367,19 @@ def test_dp_strategy_on_cpu_runs_whole_with_a_note(shell):
     assert "__gpumagic_dp__" not in ns
 
 
+def test_dp_strategy_on_cpu_runs_code_written_for_cuda(shell):
+    """The article's .cuda() idiom in a --strategy dp cell on a machine without GPUs, as under %%ondevice."""
+    run_cell(shell, SETUP.format(shuffle=False))
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)
+    cell = TRAIN.replace("((model(x) - y) ** 2)", "((model(x.cuda()) - y.cuda()) ** 2)")
+    assert ".cuda()" in cell
+    dp_cell(shell, "--strategy dp --devices cpu", cell + "kind = torch.zeros(1).cuda().device.type\n")
+    assert ns["kind"] == "cpu"
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------- beyond one machine
 
 def test_symmetric_error_keeps_the_pool(shell):

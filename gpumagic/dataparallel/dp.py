@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..cell import compile as cells
-from ..cell.placement import follow
+from ..cell.placement import PlacementRewriter, follow, helper_name, made_for
 from ..cell.values import find_modules
 from ..display import note
 from .plan import Plan
@@ -178,11 +178,19 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel --strat
         note(text)
     helper = DataParallelCall(plan.devices)
     rewriter = ModelCallRewriter(modules)
-    compiled = cells.compile_cell(shell, cell, header=header, transformers=[rewriter])
+    transformers: list = [rewriter]
+    placement = None
+    if plan.devices[0] == "cpu":
+        # No GPU: code written for .cuda() runs on the CPU, as under %%ondevice cpu.
+        placement = PlacementRewriter(ns, helper_name("cpu"))
+        transformers.append(placement)
+    compiled = cells.compile_cell(shell, cell, header=header, transformers=transformers)
     if not rewriter.rewrites:
         note(f"--strategy dp: the cell never calls {', '.join(modules)} directly (as name(...)), "
              "so nothing is split")
     _install_passthrough()
+    if placement is not None and placement.rewrites:
+        ns[helper_name("cpu")] = shell.user_ns_hidden[helper_name("cpu")] = made_for("cpu")
     had = ns.get(HELPER, _MISSING)
     ns[HELPER] = helper
     shell.user_ns_hidden[HELPER] = helper
