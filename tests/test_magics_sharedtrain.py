@@ -257,6 +257,24 @@ def test_steps_are_optimizer_steps_also_with_loaders_and_optimizers_made_in_the_
     assert "trained 'model': 16 steps" in out or "16 steps" in out, out
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_code_written_for_cuda_trains_on_cpu_workers(shell, method):
+    """The article's Hogwild loop moves each batch with .cuda(): on CPU workers it runs there."""
+    run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    weight = shell.user_ns["model"].fc1.weight.detach().clone()
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n" + textwrap.dedent("""
+        for x, y, idx in loader:
+            x, y = x.cuda(), y.cuda()
+            optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+        report(where=x.device.type)
+    """))
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    assert [trained.history[r][0]["where"] for r in range(2)] == ["cpu", "cpu"]
+    assert [w.steps for w in trained.workers] == [8, 8]
+    assert not torch.equal(shell.user_ns["model"].fc1.weight, weight)   # the shared weights trained
+
+
 def test_a_forked_worker_is_not_ipython(shell):
     """tqdm.auto and rich ask get_ipython() whether to draw widgets; a forked worker cannot reach the
     notebook's sockets, so it must answer as a plain process (and the kernel's shell stays itself)."""

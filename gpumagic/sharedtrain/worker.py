@@ -203,6 +203,10 @@ def train(ctx, meta: dict, data) -> None:
             if on_gpu:
                 private_state(ns[name])  # CUDA tensors always arrive shared; an optimizer's state must not
     ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
+    if meta.get("placement"):   # the cell was rewritten for the CPU: the helper its .cuda() calls use
+        from ..cell.placement import Placement, install_passthrough
+        install_passthrough()
+        ns[meta["placement"]] = Placement(torch.device(meta["device"]))
     if meta["set_device_name"]:
         ns["device"] = torch.device(meta["device"])
     from torch.optim.optimizer import register_optimizer_step_post_hook
