@@ -112,6 +112,8 @@ def test_no_gpu_machine():
     assert devices.default_device() == "cpu"
     with pytest.raises(UsageError, match="needs a GPU.*valid choices: cpu, meta"):
         devices.parse_device("cuda")
+    with pytest.raises(UsageError, match="device 'GPU' needs a GPU"):   # the name the user wrote
+        devices.parse_device("GPU")
 
 
 def test_current_device_follows_the_pick(machine):

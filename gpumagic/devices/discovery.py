@@ -336,7 +336,7 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
         raise usage_error("device 'mps' is not available on this machine", choices())
     if text_spec == "cuda" or text_spec == "gpu":
         if not gpus:
-            raise usage_error("device 'cuda' needs a GPU, and this machine has none visible", choices())
+            raise usage_error(f"device {shown} needs a GPU, and this machine has none visible", choices())
         picked = session.picked_device()
         return picked if picked and picked.startswith("cuda:") else "cuda:0"
     if text_spec.startswith("cuda:"):
