@@ -109,10 +109,34 @@ def test_free_collects_cycles_and_reports_cpu_memory():
     def make_garbage():
         cycle = [torch.ones(64 * MiB // 4)]  # 64 MiB, pages touched
         cycle.append(cycle)
-    make_garbage()
-    rep = variables.free_memory()
+    import gc
+    gc.disable()   # the cycle must still be there when free_memory collects: no automatic collection first
+    try:
+        make_garbage()
+        rep = variables.free_memory()
+    finally:
+        gc.enable()
     assert rep.collected >= 1
     cpu = rep["cpu"]
     assert cpu.freed == cpu.before - cpu.after
     assert cpu.freed > 48 * MiB
     assert "freed" in rep.text() and "not initialised CUDA" in rep.text()
+
+
+def test_objects_attributes_count_and_the_output_history_is_noted():
+    import argparse
+    import math
+
+    class Holder:                                    # a notebook class keeping a tensor
+        def __init__(self):
+            self.w = torch.zeros(1000)
+            self.name = "h"
+
+    ns = {"h": Holder(), "cfg": argparse.Namespace(table=torch.ones(250, dtype=torch.float64)),
+          "math": math, "Holder": Holder, "fn": test_tensor_sizes_are_exact}
+    rep = variables.variable_memory(ns, history={3: torch.zeros(500)})
+    assert {r.name: r.nbytes for r in rep.rows} == {"h": 4000, "cfg": 2000}   # modules, classes, functions: none
+    assert rep.totals == {"cpu": 6000}                                         # the history is no variable
+    assert any("the output history (Out[...]) still holds tensors: 2.0 KiB on cpu" in n for n in rep.notes)
+    empty = variables.variable_memory({}, history={3: torch.zeros(500)})
+    assert "No variable holds tensor memory." in empty.text() and "Out[...]" in empty.text()

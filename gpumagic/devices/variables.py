@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -179,7 +180,8 @@ class _Collector:
             items = obj.values()
         elif isinstance(obj, (list, tuple, set, frozenset)):
             items = obj
-        elif isinstance(obj, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
+        elif isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, _NOT_HOLDERS):
+            # an object's attributes (a dataset, a loader, a Trainer, an instance of a notebook class)
             items = list(vars(obj).values())
         else:
             return
@@ -190,17 +192,23 @@ class _Collector:
             self.walk(item, depth + 1, part)
 
 
+# Objects whose attributes are not data a variable holds: modules, classes, functions.
+_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
 def _is_user_variable(name: str, hidden) -> bool:
     return not name.startswith("_") and name not in hidden
 
 
 def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
-                    max_depth: int = 4, max_items: int = 100_000) -> VarsReport:
+                    max_depth: int = 4, max_items: int = 100_000, history: dict | None = None) -> VarsReport:
     """Which variables in ``user_ns`` hold tensor memory, on which device, largest first.
 
     Tensors, modules (parameters, buffers, gradients), optimizers (their
-    state) and tensors inside lists, tuples, sets and dicts (``max_depth``
-    levels deep, ``max_items`` per container). Each row counts every storage
+    state) and tensors inside lists, tuples, sets, dicts and objects'
+    attributes (``max_depth`` levels deep, ``max_items`` per container).
+    ``history`` (IPython's ``Out``) is not a variable, but a note says what
+    it holds. Each row counts every storage
     it reaches once, so a view costs what its whole storage costs and tied
     weights count once; ``totals`` counts each storage once over all rows.
     Names starting with ``_`` and names in ``hidden`` (IPython's own) are
@@ -258,7 +266,18 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
     if any(r.shared for r in rows):
         notes.append("shared: bytes other listed variables hold too (views, tied weights, "
                      "the same tensor under two names); totals count them once.")
+    if history:
+        notes += _history_note(history, device)
     return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes)
+
+
+def _history_note(history: dict, device: str | None) -> list[str]:
+    """What IPython's output history (``Out``) keeps alive: no variable, yet memory nothing frees."""
+    kept = variable_memory({"Out": history}, device=device).totals
+    if not kept:
+        return []
+    held = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+    return [f"the output history (Out[...]) still holds tensors: {held}; `%reset -f out` lets them go."]
 
 
 # --------------------------------------------------------------------------- freeing
@@ -364,13 +383,7 @@ def free_memory(device: str | None = None, history: dict | None = None) -> FreeR
         rows.append(FreedRow("mps", mps_before, int(torch.mps.driver_allocated_memory()), "mps driver"))
     if device is not None:
         rows = [r for r in rows if r.device == device]
-    notes = []
-    if history:
-        kept = variable_memory({"Out": history}, device=device).totals
-        if kept:
-            held = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
-            notes.append(f"the output history (Out[...]) still holds tensors: {held}; "
-                         "`%reset -f out` lets them go.")
+    notes = _history_note(history, device) if history else []
     if not cuda and (device is None or device.startswith("cuda")):
         notes.append("this kernel has not initialised CUDA, so it holds no cached GPU blocks.")
     return FreeReport(rows, collected, notes)

@@ -140,7 +140,7 @@ class MemoryMagics(Magics):
             return None
         if args.vars:
             report = variables.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
-                                               device=device)
+                                               device=device, history=self.shell.user_ns.get("Out"))
             return _report(self.shell, report, args.json)
         if args.free:
             freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"))
