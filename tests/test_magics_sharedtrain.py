@@ -530,6 +530,7 @@ def test_killed_kernel_leaves_no_workers(method):
     ("--model x", "model(x)", "--model 'x' is a Tensor, not a torch.nn.Module; valid choices: model"),
     ("--model nothing", "model(x)", "no such variable"),
     ("", "y = x * 2", "the cell uses no torch.nn.Module from the notebook"),
+    ("--device cuda:9", "y = x * 2", "device 'cuda:9'"),         # the bad device first, then the model
     ("--start-method thread", "model(x)", "invalid choice: 'thread' (choose from 'spawn', 'fork', 'forkserver')"),
     ("--nprocs two", "model(x)", "invalid int value: 'two'"),
     ("", "\n# nothing\n", "the cell is empty"),

@@ -259,6 +259,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         compile_plain(cell, header, label="sharedtrain")
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
     probe = names_tree(used)
+    if device is not None:
+        resolve_device(device, {})   # a bad --device is said first: the model may be missing only because of it
     modules = find_modules(probe, ns, [model] if model else None)
     unused_model = model if model and model not in used else None
     device_name, move = resolve_device(device, modules)
