@@ -36,7 +36,8 @@ defined in the cell find it whenever they run. It follows where they run:
   the receiving process's own).
 
 What "CUDA follows DEVICE" means for the rest of ``torch.cuda`` and
-``torch.accelerator`` is in :mod:`.placement_cuda`; in short:
+``torch.accelerator`` is in :mod:`.placement_cuda` (``torch.nn.parallel``'s
+``replicate``/``scatter``/``parallel_apply``/``gather`` in :mod:`.placement_parallel`); in short:
 
 ==================================  ==================  =====================
 call                                DEVICE is cuda:k    DEVICE is cpu / meta
@@ -82,6 +83,7 @@ from collections.abc import Iterator
 
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
+from .placement_parallel import ParallelCalls
 from .placement_rewrite import (
     HELPER,
     LEGACY_TYPES,
@@ -97,7 +99,7 @@ __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_
            "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
 
 
-class Placement(CudaCalls):
+class Placement(CudaCalls, ParallelCalls):
     """Where rewritten code puts things: ``Placement('cuda:1')``, or ``Placement(None)`` to pass through.
 
     Every method mirrors one CUDA spelling; with a target it lands on the

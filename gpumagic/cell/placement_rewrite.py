@@ -17,6 +17,7 @@ from functools import lru_cache
 from types import ModuleType
 
 from .placement_magics import rewrite_magic_call
+from .placement_parallel import PARALLEL_CALLS
 
 __all__ = ["HELPER", "LEGACY_TYPES", "FACTORIES", "LIKE_FACTORIES", "PlacementRewriter", "rewrite_placement",
            "is_cuda_name", "is_cuda_type_name", "lookup"]
@@ -70,6 +71,8 @@ _CUDA_CALLS = {
     "torch.cuda.amp.autocast": "amp_cuda_autocast", "torch.cuda.amp.GradScaler": "amp_cuda_scaler",
     # A name one of the two lacks still fails as written: the original is looked up first.
     **{f"torch.{api}.{n}": "query" for api in ("cuda", "accelerator") for n in _QUERIES},
+    # replicate / scatter / parallel_apply / gather, nn.DataParallel: on one device (placement_parallel).
+    **PARALLEL_CALLS,
 }
 _ACCELERATOR = "torch.accelerator.current_accelerator"
 _DEVICE_KEYWORDS = ("device", "map_location")
