@@ -221,6 +221,23 @@ def test_functions_from_a_module_imported_before_are_read(tmp_path, monkeypatch)
     assert mode("import users_training\nusers_training.main(model)")[0] == "launch"
 
 
+def test_a_method_named_like_a_notebook_function_is_not_that_function():
+    """``model.train()`` inside a loop function is a method call, not the notebook's ``train`` (which
+    builds a Trainer): the loop stays gpumagic's DDP."""
+    pytest.importorskip("transformers")
+    ns = notebook("""\
+        import transformers
+        def train(model, ds, args):
+            return transformers.Trainer(model=model, args=args, train_dataset=ds).train()
+        def train_epoch(model, loader, opt):
+            model.train()
+            for x, y in loader:
+                opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()
+        """)
+    assert mode("train_epoch(model, loader, opt)", ns, ["train_epoch"]) == ("ddp", "a hand-written loop")
+    assert mode("train(model, ds, args)", ns, ["train"])[0] == "launch"
+
+
 def test_library_functions_are_matched_by_name_not_read():
     ns = loop_namespace()
     # torch's own code refers to DistributedDataParallel and init_process_group in places; a loop

@@ -185,13 +185,15 @@ def _code_references(code: types.CodeType, globals_: dict, seen: set | None = No
     if id(code) in seen:
         return
     seen.add(id(code))
-    names = set(code.co_names)
+    instructions = list(dis.get_instructions(code))
+    names = set(code.co_names)   # the globals it reads and the attributes it reads, alike
     # imports inside the function (``from accelerate import Accelerator`` in ``def train():``)
-    for module in {i.argval for i in dis.get_instructions(code) if i.opname == "IMPORT_NAME"}:
+    for module in {i.argval for i in instructions if i.opname == "IMPORT_NAME"}:
         yield module, None
         for name in names:
             yield f"{module}.{name}", None
-    for name in names:
+    # Only names read as globals are the notebook's: ``model.train()`` is no call of a notebook ``train``.
+    for name in {i.argval for i in instructions if i.opname in _GLOBAL_LOADS}:
         value = globals_.get(name)
         if isinstance(value, types.ModuleType):
             yield from _module_attributes(name, value, names, depth=3)
@@ -203,6 +205,9 @@ def _code_references(code: types.CodeType, globals_: dict, seen: set | None = No
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _code_references(const, globals_, seen)
+
+
+_GLOBAL_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS")
 
 
 def _module_attributes(dotted: str, module: types.ModuleType, names: set, depth: int) -> Iterator[tuple[str, object]]:
