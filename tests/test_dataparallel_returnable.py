@@ -77,7 +77,7 @@ holder = {"net": model}                    # holds the ranks' module: stays
     assert ns["config"].width == 8
     assert "holder" not in ns
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
-    assert "holder (holds a torch.nn.Module (CellDDP), which stays in the ranks)" in note, note
+    assert "holder (holds a torch.nn.Module (Linear), which stays in the ranks)" in note, note
 
 
 def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell):
@@ -93,6 +93,27 @@ def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell)
     assert "log.losses" in cap.stderr and "args.epochs" in cap.stderr
 
 
+def test_names_bound_to_notebook_objects_and_namespaces_changed_by_functions(shell):
+    run_cell(shell, SETUP + """
+def set_epochs(a, n):
+    a.epochs = n                     # a notebook function changes the namespace the cell passes it
+""")
+    ns = shell.user_ns
+    args, log = ns["args"], ns["log"]
+    _, cap = dp_cell(shell, CPU2, LOOP + """
+alias = args                         # the notebook's own object, not a copy
+same_log = log
+set_epochs(args, 7)
+setattr(args, "lr", 0.5)
+args.note = torch.nn.Linear(1, 1)    # added, not a plain value: named
+weight = torch.nn.Parameter(torch.ones(2))
+""")
+    assert ns["alias"] is args and ns["same_log"] is log
+    assert (args.epochs, args.lr) == (7, 0.5)
+    assert not hasattr(args, "note") and "args.note (not a plain value)" in cap.stderr
+    assert type(ns["weight"]) is torch.nn.Parameter and ns["weight"].tolist() == [1.0, 1.0]
+
+
 # --- the pieces, in one process ---------------------------------------------------------------------
 
 def test_pickled_for_notebook_detaches_copies_and_refuses_what_stays_in_the_ranks():
@@ -103,11 +124,16 @@ def test_pickled_for_notebook_detaches_copies_and_refuses_what_stays_in_the_rank
     for value, why in [({"m": torch.nn.Linear(2, 2)}, "holds a torch.nn.Module (Linear)"),
                        ([torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)], "holds an optimizer (SGD)"),
                        (torch.utils.data.DataLoader([1, 2]), "holds a DataLoader"),
+                       ({"acc": _accelerator_like()}, "holds an Accelerator, which stays in the ranks"),
                        ((x for x in [1]), "TypeError: cannot pickle")]:
         with pytest.raises(NotReturnable, match=__import__("re").escape(why)):
             pickled_for_notebook(value)
     with pytest.raises(NotReturnable, match="larger than the 1 MB a cell brings back"):
         pickled_for_notebook(np.zeros(2**20), limit=2**20)
+
+
+def _accelerator_like():
+    return type("Accelerator", (), {"__module__": "accelerate.accelerator"})()
 
 
 def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
@@ -117,11 +143,14 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     box.items, box.count, box._private = [1], 0, 5
     other.x = 1
     ns = {"box": box, "other": other}
+    box.samples = list(range(20_000))   # too long to copy and compare each cell: left out
     before = attribute_snapshot(ns, ["box"], {"other": ["x", "y"]})
+    assert "samples" not in before["box"][0]
     box.items.append(2)            # changed in place: the copy tells
     box.count += 1
     box._private = 6               # private: not the user's
     box.new = "yes"
+    box.samples.append(1)          # (not compared)
     other.x = 1                    # set, unchanged
     other.y = torch.nn.Linear(1, 1)
     changed, dropped = changed_attributes(ns, before, ["box"])

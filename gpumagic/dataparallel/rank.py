@@ -94,6 +94,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     # Rank 0 answers for the notebook's other objects the cell may change (kept with the cell's meta).
     meta["attributes_before"] = attribute_snapshot(ns, meta.get("watched", []), meta.get("set_attributes", {})) \
         if ctx.rank == 0 else {}
+    # and for names the cell binds to the notebook's own objects (alias = args): held, so ids stay theirs
+    meta["objects_before"] = {id(v): (k, v) for k, v in ns.items() if not k.startswith("__")} \
+        if ctx.rank == 0 else {}
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu", master_addr=launch.get("master_addr", "127.0.0.1"),

@@ -55,8 +55,9 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "defined": [n for n in meta["assigned"] if isinstance(ns.get(n), (types.FunctionType, type, types.ModuleType))],
     }
     trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
+    state["aliases"] = _aliases(ns, meta)
     for n in meta["return_names"]:
-        if n not in ns:
+        if n not in ns or n in state["aliases"]:
             continue
         v = ns[n]
         if is_plain_value(v):
@@ -73,6 +74,21 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     state["attributes"], dropped = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
     state["not_returned"] += dropped
     return state
+
+
+def _aliases(ns: dict, meta: dict) -> dict:
+    """``{name: other}`` where the cell bound ``name`` to the object the notebook's ``other`` held as the
+    cell started (``alias = args``): the kernel binds it to the notebook's own object, as a plain cell
+    would, instead of a copy. Numbers and strings are values, not objects to share."""
+    before = meta.get("objects_before", {})
+    aliases = {}
+    for n in meta["assigned"]:
+        v = ns.get(n)
+        held = before.get(id(v))
+        if held is not None and held[1] is v and held[0] != n and \
+                not isinstance(v, (str, bytes, int, float, complex, bool, type(None), tuple)):
+            aliases[n] = held[0]
+    return aliases
 
 
 def _add_object(state: dict, name: str, value) -> None:

@@ -116,6 +116,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 module.load_state_dict(state["modules"][name])
             if name in (state.get("settings") or {}):
                 apply_settings(module, state["settings"][name])
+    # the notebook's objects the cell bound other names to, taken before any name is bound anew
+    aliased = {n: ns[other] for n, other in (state.get("aliases") or {}).items() if other in ns}
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
@@ -148,6 +150,9 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             not_loaded.append(f"{name} ({type(exc).__name__}: {exc})")
             continue
         objects.append(name)
+    for name, obj in aliased.items():
+        ns[name] = obj
+        bound.append(name)
     for name, attrs in (state.get("attributes") or {}).items():
         target = ns.get(name)
         for attr, value in attrs.items():

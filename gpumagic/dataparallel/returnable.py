@@ -6,9 +6,12 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
   tensor): they come back pickled, every tensor detached and on the CPU, unless they hold what
   belongs to the ranks (a module, an optimizer, a DataLoader, a framework's trainer) or are larger
   than :data:`RETURN_LIMIT`; then the note names them with the reason;
-* **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell, or a
-  callback of a class defined in the notebook appending to ``self.losses``): their new plain
-  values are set on the notebook's objects, as after a plain cell.
+* **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell; on
+  instances of classes defined in the notebook and on namespaces (``argparse.Namespace``,
+  ``SimpleNamespace``) any public attribute that changed, as a callback appending to
+  ``self.losses`` or a notebook function setting ``args.epochs``): their new plain values are set
+  on the notebook's objects, as after a plain cell;
+* **names bound to the notebook's own objects** (``alias = args``): bound to the same object.
 
 In a notebook::
 
@@ -27,7 +30,8 @@ import cloudpickle
 
 from ..cell.values import is_plain_value
 
-__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "attribute_snapshot", "changed_attributes"]
+__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "attribute_snapshot", "changed_attributes",
+           "is_watched", "WATCHED_ITEMS"]
 
 RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, all together
 
@@ -36,6 +40,18 @@ _PROCESS_BOUND = {("transformers", "Trainer"), ("accelerate", "Accelerator"), ("
                   ("pytorch_lightning", "Trainer"), ("lightning", "Fabric"), ("lightning_fabric", "Fabric"),
                   ("torch", "ProcessGroup")}
 _MISSING = object()
+# A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
+WATCHED_ITEMS = 10_000
+
+
+def is_watched(value) -> bool:
+    """Whether every public attribute of ``value`` that a cell changes comes back (not only those the
+    cell's own code assigns): instances of the notebook's classes, and plain namespaces."""
+    import argparse
+    import types
+    cls = type(value)
+    return isinstance(getattr(value, "__dict__", None), dict) and (
+        cls.__module__ == "__main__" or cls in (argparse.Namespace, types.SimpleNamespace))
 
 
 class NotReturnable(Exception):
@@ -73,6 +89,9 @@ class _Pickler(cloudpickle.CloudPickler):
             cpu = obj.detach().to("cpu", copy=obj.device.type == "cpu")   # a copy: not a view of the rank's
             if type(cpu) is not torch.Tensor:
                 raise NotReturnable(f"holds a {type(obj).__name__}")
+            if isinstance(obj, torch.nn.Parameter):   # stays a Parameter (its data is reduced as above)
+                return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad).__reduce_ex__(
+                    pickle.HIGHEST_PROTOCOL)
             return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         kind = _process_bound(obj)
         if kind is not None:
@@ -85,31 +104,34 @@ def _process_bound(obj) -> str | None:
     if isinstance(obj, type):
         return None
     if isinstance(obj, torch.nn.Module):
-        return f"a torch.nn.Module ({type(obj).__name__})"
+        inner = obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+        return f"a torch.nn.Module ({type(inner).__name__})"
     if isinstance(obj, torch.optim.Optimizer):
         return f"an optimizer ({type(obj).__name__})"
     if isinstance(obj, torch.utils.data.DataLoader):
         return "a DataLoader"
     for cls in type(obj).__mro__:
         if (cls.__module__.split(".")[0], cls.__name__) in _PROCESS_BOUND:
-            return f"a {cls.__name__}"
+            return f"{'an' if cls.__name__[0] in 'AEIOU' else 'a'} {cls.__name__}"
     return None
 
 
 def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[str]]) -> dict:
-    """Rank 0, as the cell starts: copies of the public plain attributes of the ``watched`` objects
-    (instances of the notebook's classes) and of the attributes the cell assigns (``assigned``)."""
+    """Rank 0, as the cell starts: ``{name: (copies of attributes, names of all its attributes)}`` for the
+    ``watched`` objects (their public plain attributes, but long lists and dicts) and for the
+    attributes the cell assigns (``assigned``)."""
     snapshot: dict = {}
     for name in dict.fromkeys([*watched, *assigned]):
-        obj = ns.get(name)
-        attrs = getattr(obj, "__dict__", None)
+        attrs = getattr(ns.get(name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
         kept = {k: copy.deepcopy(v) for k, v in attrs.items()
-                if name in watched and not k.startswith("_") and is_plain_value(v)}
+                if name in watched and not k.startswith("_") and _small(v) and is_plain_value(v)}
         for k in assigned.get(name, []):
-            kept[k] = copy.deepcopy(attrs.get(k, _MISSING))
-        snapshot[name] = kept
+            v = attrs.get(k, _MISSING)
+            # a plain value is copied to compare; another is compared by identity (copying may fail)
+            kept[k] = copy.deepcopy(v) if _small(v) and is_plain_value(v) else _Held(v)
+        snapshot[name] = (kept, set(attrs))
     return snapshot
 
 
@@ -117,13 +139,13 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
     """After the cell: ``({name: {attr: new plain value}}, not returned)`` against ``snapshot``."""
     changed: dict = {}
     dropped: list[str] = []
-    for name, before in snapshot.items():
+    for name, (before, present) in snapshot.items():
         attrs = getattr(ns.get(name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
         keys = list(before)
-        if name in watched:
-            keys += [k for k in attrs if k not in before and not k.startswith("_") and is_plain_value(attrs[k])]
+        if name in watched:   # public attributes the cell added
+            keys += [k for k in attrs if k not in present and k not in before and not k.startswith("_")]
         for k in keys:
             now = attrs.get(k, _MISSING)
             if now is _MISSING or _same(now, before.get(k, _MISSING)):
@@ -135,7 +157,23 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
     return changed, dropped
 
 
+class _Held:
+    """An attribute's value as the cell started, compared by identity."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return other is self.value
+
+
+def _small(value) -> bool:
+    return not (isinstance(value, (list, tuple, dict)) and len(value) > WATCHED_ITEMS)
+
+
 def _same(a, b) -> bool:
+    if isinstance(b, _Held):
+        return b == a
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - a value whose == raises (a tensor of several elements): changed

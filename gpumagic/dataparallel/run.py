@@ -49,6 +49,7 @@ from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
 from .results import CellResult, NotebookName, adopt_cell_classes, cloned, define_in_notebook, load_into_notebook
+from .returnable import is_watched
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
         # the notebook's other objects: instances of its own classes, and what the cell sets on them
-        watched=[n for n in others if type(ns[n]).__module__ == "__main__" and hasattr(ns[n], "__dict__")],
+        watched=[n for n in others if is_watched(ns[n])],
         set_attributes={n: attrs for n, attrs in attributes_assigned(tree).items() if n in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
