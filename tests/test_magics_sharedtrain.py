@@ -633,6 +633,7 @@ def test_an_evaluation_pass_reads_the_whole_loader_and_the_models_eval_flag_come
     len(loader.dataset) is right, the pass is no training step, and model.eval() holds afterwards."""
     run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
     result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\n" + textwrap.dedent("""
+        before_training = len(loader)           # the quickstart's test(): len() first, then no_grad
         model.train()
         for x, y, idx in loader:
             optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
@@ -643,14 +644,16 @@ def test_an_evaluation_pass_reads_the_whole_loader_and_the_models_eval_flag_come
             for x, y, idx in loader:
                 seen += len(x)
                 correct += (model(x).argmax(1) == y).sum().item()
-        report(seen=seen, accuracy=correct / len(loader.dataset), batches=batches, share=len(loader))
+        report(seen=seen, accuracy=correct / len(loader.dataset), batches=batches, share=len(loader),
+               before_training=before_training)
     """))
     assert result.error_in_exec is None, out
     trained = shell.user_ns["sharedtrain"]
     for r in range(2):
         entry = trained.history[r][0]
         assert entry["seen"] == 512 and entry["batches"] == 16 and 0.0 <= entry["accuracy"] <= 1.0
-        assert entry["share"] == 8            # with gradients on, len() is the worker's share
+        assert entry["share"] == 8            # with gradients on, after training, len() is the worker's share
+        assert entry["before_training"] == 16  # before any training pass: an evaluation loader's whole count
     assert [w.steps for w in trained.workers] == [8, 8] and [w.samples for w in trained.workers] == [256, 256]
     assert shell.user_ns["model"].training is False
 

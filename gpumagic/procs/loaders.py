@@ -8,7 +8,9 @@ N-th sample of the epoch and batches it at the original batch size, so
 workers see different samples. With ``whole_without_grad`` (either split), a
 pass begun with gradients off (an evaluation under ``torch.no_grad()``) is
 not split: every rank reads every batch, so what the cell computes from it
-(an accuracy over ``len(loader.dataset)``) is what one process would compute.
+(an accuracy over ``len(loader.dataset)``) is what one process would compute;
+and until a pass with gradients on has begun, ``len()`` is the whole count
+too (an evaluation loader's length is taken before its ``no_grad`` block).
 
 Shuffling is identical on every rank. A loader made with its own
 ``generator`` shuffles with it, as in one process (every rank got the same
@@ -45,6 +47,7 @@ class ShardedBatchSampler(Sampler):
         sampler = getattr(batch_sampler, "sampler", None)
         self.own_generator = isinstance(sampler, RandomSampler) and sampler.generator is not None
         self.whole_without_grad = whole_without_grad
+        self.trained = False   # whether a pass with gradients on (split) has begun
         self.batch_size = batch_size or getattr(batch_sampler, "batch_size", None) or 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -66,6 +69,7 @@ class ShardedBatchSampler(Sampler):
     def __iter__(self):
         sampler = getattr(self.batch_sampler, "sampler", None)
         original = getattr(sampler, "generator", None)
+        self.trained = self.trained or self.splits_this_pass()
         self._seed_shuffling()
         self.epoch += 1
         try:
@@ -93,7 +97,9 @@ class ShardedBatchSampler(Sampler):
                 yield mine[start:start + self.batch_size]
 
     def __len__(self):
-        if self.split == "batch" or not self.splits_this_pass():
+        # With whole_without_grad, a loader no training pass has read yet is taken for an evaluation
+        # loader: the quickstart's test() takes len(loader) before its no_grad pass reads it whole.
+        if self.split == "batch" or not self.splits_this_pass() or (self.whole_without_grad and not self.trained):
             return len(self.batch_sampler)
         total = len(self.batch_sampler.sampler) if hasattr(self.batch_sampler, "sampler") else 0
         per_rank = (total - self.rank + self.world_size - 1) // self.world_size
