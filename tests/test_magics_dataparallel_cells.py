@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from gpumagic.errors import WorkerError
+from gpumagic.errors import UsageError, WorkerError
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -104,6 +104,15 @@ def test_a_function_that_cannot_be_defined_again_is_named(shell):
         """)
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
     assert "data" in note and "uses (NameError" in note and "square (not bound by a def" in note
+
+
+def test_magics_are_refused_before_the_ranks_start_and_get_ipython_is_none(shell):
+    run_cell(shell, SETUP)
+    with pytest.raises(UsageError, match=r"%%dataparallel runs the cell in worker processes, which are not "
+                                         r"IPython: %timeit \(line 3\) cannot run there"):
+        shell.run_cell_magic("dataparallel", CPU2, "y = model(X)\n%timeit model(X)\n")
+    dp_cell(shell, CPU2, "ip = get_ipython()\nmodel(X)\n")
+    assert shell.user_ns["ip"] is None
 
 
 def test_a_loader_built_in_the_cell_is_named_in_the_warning(shell):

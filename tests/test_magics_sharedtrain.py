@@ -275,17 +275,32 @@ def test_code_written_for_cuda_trains_on_cpu_workers(shell, method):
     assert not torch.equal(shell.user_ns["model"].fc1.weight, weight)   # the shared weights trained
 
 
-def test_a_forked_worker_is_not_ipython(shell):
-    """tqdm.auto and rich ask get_ipython() whether to draw widgets; a forked worker cannot reach the
-    notebook's sockets, so it must answer as a plain process (and the kernel's shell stays itself)."""
-    run_cell(shell, SETUP)
-    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\nimport IPython\n"
-                                     "model(data.x[:1])\nreport(plain=IPython.get_ipython() is None)\n")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_worker_is_not_ipython(shell, method):
+    """tqdm.auto and rich ask get_ipython() whether to draw widgets; a worker cannot reach the
+    notebook's sockets, so it answers as a plain process (and the kernel's shell stays itself);
+    tqdm's notebook bar, imported in the kernel, draws as text in a forked worker."""
+    pytest.importorskip("ipywidgets")
+    run_cell(shell, SETUP + "from tqdm.notebook import tqdm as notebook_tqdm\n")
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\nimport IPython\n"
+                                     "model(data.x[:1])\nfor _ in notebook_tqdm(range(3), desc='bar'):\n    pass\n"
+                                     "report(plain=IPython.get_ipython() is None, mine=get_ipython() is None)\n")
     assert result.error_in_exec is None, out
     trained = shell.user_ns["sharedtrain"]
-    assert [trained.history[r][0]["plain"] for r in range(2)] == [True, True]
+    assert [(trained.history[r][0]["plain"], trained.history[r][0]["mine"]) for r in range(2)] == [(True, True)] * 2
+    if method == "fork":
+        assert "bar: 100%" in out and "3/3" in out            # the text bar, through the worker's output
     import IPython
-    assert IPython.get_ipython() is shell
+    import tqdm.notebook
+    assert IPython.get_ipython() is shell and "display" in vars(tqdm.notebook.tqdm_notebook)
+
+
+def test_magics_in_a_worker_cell_are_refused_before_anything_starts(shell):
+    run_cell(shell, SETUP)
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2\nx = 1\n%time model(data.x[:1])\n!echo hi\n")
+    assert isinstance(result.error_in_exec, UsageError), out
+    assert "%time (line 3), !echo (line 4) cannot run there" in str(result.error_in_exec)   # the notebook's lines
+    assert "sharedtrain" not in shell.user_ns
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -29,7 +29,7 @@ from types import CodeType
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty",
-           "cell_label", "is_cell", "remember_cells_of"]
+           "cell_label", "is_cell", "remember_cells_of", "shell_calls", "refuse_shell_calls"]
 
 # IPython's own name for a cell (IPython.core.compilerop.code_name), which carries its number.
 _INPUT_NAME = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
@@ -71,6 +71,35 @@ def register_source(filename: str, source: str) -> None:
     lines = [line + "\n" for line in source.splitlines()]
     linecache.cache[filename] = (len(source), None, lines, filename)
     _registered.add(filename)
+
+
+# What IPython turns %magics, %%magics and !commands into: calls on get_ipython().
+_SHELL_CALLS = {"run_line_magic": "%", "run_cell_magic": "%%", "system": "!", "getoutput": "!"}
+
+
+def shell_calls(tree: ast.AST) -> list[tuple[str, int]]:
+    """``[("%time", line), ("!ls", line), ...]``: the magics and shell commands in a compiled cell, which a
+    process without IPython (a worker) cannot run."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _SHELL_CALLS and isinstance(node.func.value, ast.Call) \
+                and isinstance(node.func.value.func, ast.Name) and node.func.value.func.id == "get_ipython":
+            first = node.args[0] if node.args else None
+            word = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+            found.append((_SHELL_CALLS[node.func.attr] + word.split()[0] if word.strip() else
+                          _SHELL_CALLS[node.func.attr], node.lineno))
+    return sorted(found, key=lambda f: f[1])
+
+
+def refuse_shell_calls(tree: ast.AST, magic: str) -> None:
+    """``UsageError`` naming the magics and !commands in a cell that ``magic`` runs in worker processes."""
+    calls = shell_calls(tree)
+    if calls:
+        from ..errors import usage_error
+        named = ", ".join(f"{what} (line {line})" for what, line in calls)
+        raise usage_error(f"{magic} runs the cell in worker processes, which are not IPython: {named} cannot "
+                          "run there; run it in a cell of its own, before or after")
 
 
 def remember_cells_of(shell) -> None:

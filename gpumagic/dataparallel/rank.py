@@ -41,8 +41,9 @@ PROGRESS_EVERY = 1.0   # seconds between a rank's progress messages
 
 
 def _no_ipython():
-    raise RuntimeError("IPython magics and !commands are not available inside a %%dataparallel cell: "
-                       "the cell runs in worker processes without IPython")
+    """``get_ipython()`` in a rank: None, as in any process that is not IPython (the kernel refuses
+    magics and !commands in the cell before it starts)."""
+    return None
 
 
 def rank_main(ctx, meta: dict, data):
@@ -186,7 +187,7 @@ def _drop_sharded_optimizers(state: dict, opts: dict) -> None:
 def _prepare_namespace(ns: dict, meta: dict, device) -> None:
     ns["__name__"] = "__main__"
     ns["__builtins__"] = builtins
-    ns.setdefault("get_ipython", _no_ipython)
+    ns["get_ipython"] = _no_ipython
     for name in meta["device_strings"]:
         ns[name] = str(device) if device.type == "cuda" else "cpu"
     if meta.get("placement"):

@@ -32,7 +32,7 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from ..cell.compile import compile_cell
+from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.names import attributes_assigned, loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
 from ..display import note
@@ -265,6 +265,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         t_cluster = time.monotonic() - t_begin if cluster_formed else 0.0
     ns = shell.user_ns
     compiled = compile_cell(shell, cell, header=header)
+    refuse_shell_calls(compiled.tree, "%%dataparallel")
     used = read_names(compiled.tree, shell)
     mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
     launch = mode == "launch"

@@ -239,6 +239,26 @@ def _detach_display() -> None:
     shell = module.InteractiveShell.instance()
     remember_cells_of(shell)
     type(shell).clear_instance()
+    _text_progress_bars()
+
+
+def _text_progress_bars() -> None:
+    """tqdm's notebook bar, if the kernel imported it (``from tqdm.auto import tqdm``), draws as text here.
+
+    Its widgets would send from the fork on the kernel's sockets, which ipykernel refuses (a warning
+    with the whole message in the server's log, each update); the class the notebook's names hold
+    loses its own methods, so it is tqdm's text bar (``tqdm.std.tqdm``, its base) in this process.
+    """
+    notebook = sys.modules.get("tqdm.notebook")
+    cls = getattr(notebook, "tqdm_notebook", None)
+    if cls is None:
+        return
+    for name in [n for n in vars(cls) if n not in ("__module__", "__doc__", "__qualname__", "__dict__",
+                                                     "__weakref__", "__slots__")]:
+        try:
+            delattr(cls, name)
+        except (AttributeError, TypeError):
+            logger.debug("tqdm_notebook.%s stays", name, exc_info=True)
 
 
 def _start_up(config: WorkerConfig) -> dict:

@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..cell.compile import compile_cell, compile_plain, is_empty
+from ..cell.compile import compile_cell, compile_plain, is_empty, refuse_shell_calls
 from ..cell.module_settings import apply_settings
 from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.values import find_loaders, find_modules, find_optimizers
@@ -257,6 +257,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     check_seed(seed, offset=nprocs)
     compiled = compile_cell(shell, cell, header=header) if shell is not None else \
         compile_plain(cell, header, label="sharedtrain")
+    refuse_shell_calls(compiled.tree, "%%sharedtrain")
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
     probe = names_tree(used)
     if device is not None:

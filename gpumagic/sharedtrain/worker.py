@@ -169,8 +169,9 @@ def _prepare_loader(loader, rank: int, world: int, seed: int, reason: str | None
 
 
 def _no_shell():
-    raise RuntimeError("IPython magics and !commands cannot run inside %%sharedtrain workers; "
-                       "run them in a cell of their own")
+    """``get_ipython()`` in a worker: None, as in any process that is not IPython (the kernel refuses
+    magics and !commands in the cell before it starts)."""
+    return None
 
 
 def _namespace(meta: dict, data) -> tuple[dict, CodeType]:
@@ -182,7 +183,6 @@ def _namespace(meta: dict, data) -> tuple[dict, CodeType]:
     ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR_BYTES,
                              shared=meta["shared"])
     ns.update({"__name__": "__main__", "__builtins__": builtins})
-    ns.setdefault("get_ipython", _no_shell)
     return ns, compile(meta["tree"], meta["filename"], "exec")
 
 
@@ -191,6 +191,7 @@ def train(ctx, meta: dict, data) -> None:
     rank, world = ctx.rank, ctx.world_size
     channel = Channel(ctx.send, meta["t0"])
     ns, code = _namespace(meta, data)
+    ns["get_ipython"] = _no_shell   # (under fork the notebook's own is the kernel's shell, not ours to use)
     del data
     seed_all(meta["seed"] + rank)
     on_gpu = meta["device"].startswith("cuda")
