@@ -61,8 +61,11 @@ is followed to DEVICE. Explicit CPU placement (``device='cpu'``,
 stand for the cell's device (:mod:`.device_values`) follow it. A CUDA
 spelling held as a value (``dev = torch.device('cuda')``,
 ``T = torch.cuda.FloatTensor``) keeps meaning CUDA (:mod:`.placement_values`):
-``x.to(dev)`` copies a CPU tensor as a GPU would. The code of ``%time``,
-``%timeit`` and ``%prun`` in the cell is rewritten too (:mod:`.placement_magics`).
+``x.to(dev)`` copies a CPU tensor as a GPU would, and returns a tensor the cell
+put on CUDA as is (on a CPU target the cell's CUDA tensors are remembered, and
+factories given a device go through ``on_cuda``/``factory``: :mod:`.placement_placed`).
+The code of ``%time``, ``%timeit`` and ``%prun`` in the cell is rewritten too
+(:mod:`.placement_magics`).
 
 Examples
 --------
@@ -84,6 +87,7 @@ from collections.abc import Iterator
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
 from .placement_parallel import ParallelCalls
+from .placement_placed import PlacedCalls, remember, remembered
 from .placement_rewrite import (
     HELPER,
     LEGACY_TYPES,
@@ -99,7 +103,7 @@ __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_
            "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
 
 
-class Placement(CudaCalls, ParallelCalls):
+class Placement(PlacedCalls, CudaCalls, ParallelCalls):
     """Where rewritten code puts things: ``Placement('cuda:1')``, or ``Placement(None)`` to pass through.
 
     Every method mirrors one CUDA spelling; with a target it lands on the
@@ -169,10 +173,6 @@ class Placement(CudaCalls, ParallelCalls):
                 return self.target
         return made
 
-    def _copy_from_cpu(self, tensor) -> bool:
-        # ``.cuda()`` of a CPU tensor is a new tensor; on a CPU target keep it one.
-        return self._kind == "cpu" and tensor.device.type == "cpu"
-
     # -- moving ---------------------------------------------------------------
     def cuda(self, obj, *args, **kwargs):
         """``obj.cuda(...)``: tensors and modules go to the target (modules in place)."""
@@ -185,9 +185,9 @@ class Placement(CudaCalls, ParallelCalls):
             extra = {}
             if kwargs.get("memory_format") is not None:
                 extra["memory_format"] = kwargs["memory_format"]
-            return obj.to(self.target, non_blocking=bool(non_blocking), copy=self._copy_from_cpu(obj), **extra)
+            return self._to_cuda(obj, self.target, non_blocking=bool(non_blocking), **extra)
         if isinstance(obj, torch.nn.Module):
-            return obj.to(self.target)
+            return self._to_cuda(obj, self.target)
         to = getattr(obj, "to", None)
         if callable(to):
             return to(self.target)
@@ -197,9 +197,10 @@ class Placement(CudaCalls, ParallelCalls):
         """``obj.to(...)``: CUDA devices among the arguments become the target.
 
         Asked for a CUDA device as written (``'cuda'``, ``torch.device('cuda')``, a device made from
-        one in the cell), a CPU tensor on a CPU target is copied, as a GPU would make a new tensor;
-        a value that holds the cell's device after a cell (``'cpu'``) moves nothing, as torch's
-        ``.to(own device)`` returns the tensor. Modules move in place, as in torch.
+        one in the cell, a tensor the cell put there), a CPU tensor on a CPU target is copied, as a
+        GPU would make a new tensor, unless the cell put it on CUDA (:mod:`.placement_placed`): then
+        it is returned as is, as torch's ``.to(own device)`` does; so is it for a value that holds
+        the cell's device after a cell (``'cpu'``). Modules move in place, as in torch.
         """
         __tracebackhide__ = True
         torch = self._torch
@@ -215,6 +216,8 @@ class Placement(CudaCalls, ParallelCalls):
                     # ``to(other)`` means other's device and dtype.
                     args = (self.target, first.dtype, *args[1:])
                     asked_cuda = True
+                elif is_torch and self._kind == "cpu" and remembered(first):
+                    asked_cuda = True
             elif isinstance(first, int) and not isinstance(first, bool):
                 if is_torch:
                     args = (self.target, *args[1:])
@@ -225,8 +228,8 @@ class Placement(CudaCalls, ParallelCalls):
         if "device" in kwargs:
             asked_cuda = asked_cuda or says_cuda(kwargs["device"])
             kwargs["device"] = self.map(kwargs["device"])
-        if asked_cuda and is_tensor and "copy" not in kwargs and len(args) < 4 and self._copy_from_cpu(obj):
-            kwargs["copy"] = True
+        if asked_cuda and is_torch:
+            return self._to_cuda(obj, *args, **kwargs)
         return obj.to(*args, **kwargs)
 
     def retype(self, obj, kind):
@@ -241,7 +244,7 @@ class Placement(CudaCalls, ParallelCalls):
         if self.target is None or not is_cuda_type_name(name):
             return obj.type(kind)
         dtype = getattr(lookup(name.replace("torch.cuda.", "torch.", 1)), "dtype", None)
-        return obj.to(self.target, dtype)
+        return self._to_cuda(obj, self.target, dtype)
 
     def tensor_type(self, cls):
         """A bare ``torch.cuda.FloatTensor`` (``T = torch.cuda.FloatTensor``, ``isinstance(x, ...)``).
@@ -266,20 +269,23 @@ class Placement(CudaCalls, ParallelCalls):
         if self.target is None:
             return cls(*args, **kwargs)
         device = self.target
+        cuda = getattr(cls, "is_cuda", None) is True
         if "device" in kwargs:
-            wanted = self.map(kwargs.pop("device"))
-            if wanted is not None and getattr(cls, "is_cuda", None) is not True:
-                device = wanted
+            asked = kwargs.pop("device")
+            wanted = self.map(asked)
+            if wanted is not None and not cuda:
+                device, cuda = wanted, says_cuda(asked)
         if kwargs:
             return cls(*args, **kwargs)  # let torch report the unexpected keyword
-        return self._legacy_new(cls, device, args)
+        made = self._legacy_new(cls, device, args)
+        return self._typed_on_cuda(made, args) if cuda else made
 
     def legacy_cuda(self, cls, *args):
         """``torch.FloatTensor(...).cuda()`` in one step."""
         __tracebackhide__ = True
         if self.target is None:
             return cls(*args).cuda()
-        return self._legacy_new(cls, self.target, args)
+        return self._typed_on_cuda(self._legacy_new(cls, self.target, args), args)
 
     def _legacy_new(self, cls, device, args):
         __tracebackhide__ = True
@@ -305,8 +311,14 @@ class Placement(CudaCalls, ParallelCalls):
         __tracebackhide__ = True
         if self.target is not None and args:
             first = args[0]
-            if isinstance(first, self._torch.Tensor) and first.device.type == "cuda" and first.device != self.target:
-                kwargs["device"] = self.target
+            if isinstance(first, self._torch.Tensor):
+                if first.device.type == "cuda" and first.device != self.target:
+                    kwargs["device"] = self.target
+                    return self.on_cuda(fn(*args, **kwargs))
+                if self._kind == "cpu" and remembered(first):   # like a tensor the cell put on CUDA
+                    made = fn(*args, **kwargs)
+                    remember(made)
+                    return made
         return fn(*args, **kwargs)
 
     def pin_memory(self, obj):

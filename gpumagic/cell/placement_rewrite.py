@@ -3,7 +3,9 @@
 :class:`PlacementRewriter` rewrites a cell's tree so that ``.cuda()``,
 ``'cuda:0'``, ``torch.device('cuda')``, ``torch.cuda.FloatTensor(...)`` (and
 the bare ``torch.cuda.FloatTensor``) and the ``torch.cuda`` calls go through
-one helper name, and gives factories an explicit ``device=``; the code of
+one helper name, and gives factories an explicit ``device=`` (what a factory or ``nn``
+layer makes on a device it is given goes through ``on_cuda``/``factory``, so that a CPU
+target can remember it as on CUDA: :mod:`.placement_placed`); the code of
 ``%time``/``%timeit``/``%prun`` inside the cell is rewritten the same way
 (:mod:`.placement_magics`); :mod:`gpumagic.cell.placement` explains what each
 rewritten spot means and holds the :class:`~gpumagic.cell.placement.Placement`
@@ -43,6 +45,8 @@ FACTORIES = frozenset(f"torch.{f}" for f in (
 LIKE_FACTORIES = frozenset(f"torch.{f}" for f in (
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
 ))
+# Factories that may return their input (a CPU tensor or array) rather than a new tensor.
+_MAY_ALIAS = frozenset({"torch.as_tensor", "torch.asarray"})
 # Arguments that make an added ``device=`` wrong or redundant.
 _NO_DEVICE_WITH = frozenset({"device", "out", "generator", "pin_memory", None})
 
@@ -329,8 +333,13 @@ class PlacementRewriter(ast.NodeTransformer):
             to_call = _UNBOUND.get(name) == "to"
         else:
             to_call = isinstance(func, ast.Attribute) and func.attr == "to"
+        # What a factory, ``nn`` layer or typed constructor makes on a device it is given is remembered
+        # as on CUDA when that device is (gpumagic.cell.placement_placed); they see the device as written.
+        own = name is not None and self._kw(node, "device") is not None and (
+            name in _LEGACY_CUDA or name in _LEGACY_CPU or name in FACTORIES or name in LIKE_FACTORIES
+            or (name.startswith("torch.nn.") and _takes_device(name)))
         if not to_call:
-            self._rewrite_keywords(node)
+            self._rewrite_keywords(node, device=not own)
 
         if name is None and isinstance(func, ast.Attribute):
             return self._method(node, func)
@@ -342,6 +351,8 @@ class PlacementRewriter(ast.NodeTransformer):
             return self._call("device", node.args, node.keywords, node)
         if name in _LEGACY_CUDA or (name in _LEGACY_CPU and self._kw(node, "device")):
             return self._call("legacy", [func, *node.args], node.keywords, node)
+        if own:
+            return self._made_on(node, name)
         if name in _CUDA_CALLS:
             return self._call(_CUDA_CALLS[name], [func, *node.args], node.keywords, node)
         if name in LIKE_FACTORIES:
@@ -357,6 +368,15 @@ class PlacementRewriter(ast.NodeTransformer):
         elif name == "torch.load" and len(node.args) > 1:
             node.args[1] = ast.copy_location(ast.Call(self._h("map"), [node.args[1]], []), node.args[1])
         return node
+
+    def _made_on(self, node: ast.Call, name: str):
+        """``torch.ones(2, device='cuda')`` -> ``H.on_cuda(torch.ones(2, device=H.target or 'cuda'))``;
+        ``torch.ones(2, device=dev)`` -> ``H.factory(torch.ones, 2, device=dev)``; ``device='cpu'`` stays."""
+        value = self._kw(node, "device").value
+        if isinstance(value, ast.Constant) and (name not in _MAY_ALIAS or not _is_cuda_constant(value.value)):
+            self._rewrite_keywords(node)
+            return self._call("on_cuda", [node], [], node) if _is_cuda_constant(value.value) else node
+        return self._call("factory", [node.func, *node.args], node.keywords, node)
 
     def _method(self, node: ast.Call, func: ast.Attribute):
         """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.pin_memory()``, ``obj.get_device()``,
@@ -440,16 +460,18 @@ class PlacementRewriter(ast.NodeTransformer):
         if name in _LEGACY_CPU and not inner.keywords:
             inner.args = [self.visit(a) for a in inner.args]
             return self._call("legacy_cuda", [inner.func, *inner.args], [], node)
-        if name in FACTORIES and not any(k.arg in _NO_DEVICE_WITH for k in inner.keywords):
+        if name in FACTORIES and name not in _MAY_ALIAS and not any(k.arg in _NO_DEVICE_WITH for k in inner.keywords):
             self.generic_visit(inner)
             self._rewrite_keywords(inner)
             self._add_device(inner, "cuda_target")
-            return ast.copy_location(inner, node)
+            return self._call("on_cuda", [inner], [], node)
         return None
 
-    def _rewrite_keywords(self, node: ast.Call) -> None:
+    def _rewrite_keywords(self, node: ast.Call, device: bool = True) -> None:
         for kw in node.keywords:
             value = kw.value
+            if kw.arg == "device" and not device:
+                continue
             if kw.arg in _DEVICE_KEYWORDS:
                 if isinstance(value, ast.Constant):
                     if _is_cuda_constant(value.value):

@@ -86,7 +86,7 @@ class TypedTensor:
         """``tensor.type(T)``."""
         __tracebackhide__ = True
         target = self._placement.target
-        return tensor.type(self._cls) if target is None else tensor.to(target, self.dtype)
+        return tensor.type(self._cls) if target is None else self._placement._to_cuda(tensor, target, self.dtype)
 
     def __instancecheck__(self, obj) -> bool:
         import torch
