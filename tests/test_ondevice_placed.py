@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import gc
 import pickle
-import re
-import textwrap
 import weakref
 
 import numpy as np
@@ -19,27 +17,15 @@ import torch
 import torch.nn as nn
 
 from gpumagic.cell import placement_placed
-from gpumagic.cell.placement import HELPER, Placement, rewrite_placement
+from gpumagic.cell.placement import HELPER, rewrite_placement
 from gpumagic.cell.placement_placed import forget_all, remember, remembered
-from tests.conftest import run_cell
+from tests.placement_helpers import cell_ok, run_rewritten
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def run(src: str, target="cpu", ns: dict | None = None) -> dict:
-    """Rewrite and run ``src`` with the helper bound to ``Placement(target)``; returns the namespace."""
-    ns = {"torch": torch, "nn": nn, **(ns or {})}
-    tree, _ = rewrite_placement(ast.parse(textwrap.dedent(src)), ns)
-    ns[HELPER] = Placement(target)
-    exec(compile(tree, "<cell>", "exec"), ns)
-    return ns
+run = run_rewritten
 
 
 def ok(shell, src):
-    result, out, _ = run_cell(shell, src)
-    out = ANSI.sub("", out)
-    assert result.error_before_exec is None and result.error_in_exec is None, out
-    return out
+    return cell_ok(shell, src)[1]
 
 
 # -- the repro, through the magic ---------------------------------------------------------------------

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ast
 import pickle
-import re
-import textwrap
 
 import pytest
 import torch
@@ -19,26 +17,11 @@ from gpumagic.cell.device_values import DeviceName, settle, stand_in, stands_for
 from gpumagic.cell.placement import HELPER, LEGACY_TYPES, Placement, made_for, rewrite_placement
 from gpumagic.cell.placement_magics import rewrite_magic_code
 from gpumagic.devices import visible_gpus
-from tests.conftest import run_cell
+from tests.placement_helpers import cell_ok, run_rewritten
 
 TARGETS = ["cpu", "meta"]
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def run(src: str, target, ns: dict | None = None) -> dict:
-    """Rewrite and run ``src`` with the helper bound to ``Placement(target)``; returns the namespace."""
-    ns = {"torch": torch, "nn": nn, **(ns or {})}
-    tree, _ = rewrite_placement(ast.parse(textwrap.dedent(src)), ns)
-    ns[HELPER] = Placement(target)
-    exec(compile(tree, "<cell>", "exec"), ns)
-    return ns
-
-
-def ok(shell, src):
-    result, out, _ = run_cell(shell, src)
-    out = ANSI.sub("", out)
-    assert result.error_before_exec is None and result.error_in_exec is None, out
-    return result, out
+run = run_rewritten
+ok = cell_ok
 
 
 # -- 1. a move that copies on a GPU copies here too -------------------------------------------------
