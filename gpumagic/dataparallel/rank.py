@@ -20,6 +20,7 @@ import logging
 import time
 
 from ..cell.compile import register_source
+from ..cell.placement_workers import bind_placement
 from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
@@ -190,10 +191,7 @@ def _prepare_namespace(ns: dict, meta: dict, device) -> None:
     ns["get_ipython"] = _no_ipython
     for name in meta["device_strings"]:
         ns[name] = str(device) if device.type == "cuda" else "cpu"
-    if meta.get("placement"):
-        from ..cell.placement import Placement, install_passthrough
-        install_passthrough()
-        ns[meta["placement"]] = Placement(device)
+    bind_placement(ns, meta.get("placement"), device)
 
 
 def _warm_models(ctx, meta: dict) -> WarmModels | None:

@@ -24,7 +24,6 @@ In a notebook the magic is the way in::
 from __future__ import annotations
 
 import ast
-import copy
 import logging
 import os
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 
 from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.names import attributes_assigned, loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.placement_workers import rewrite_for_cpu_workers
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
 from ..display import note
 from ..errors import usage_error
@@ -208,13 +208,6 @@ def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
     return targets
 
 
-def _placement_for_cpu(tree, namespace):
-    """On CPU ranks, a cell written for ``.cuda()`` runs on the CPU (the %%ondevice rewrite)."""
-    from ..cell.placement import HELPER, rewrite_placement
-    tree, rewriter = rewrite_placement(copy.deepcopy(tree), namespace)
-    return tree, (HELPER if rewriter.rewrites else None)
-
-
 def _backend_flags() -> dict:
     import torch
     return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -281,7 +274,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     if launch and not plan.launch:
         note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
              "started, and the cell's own code wraps the model and splits the data")
-    ship_tree, helper = _placement_for_cpu(compiled.tree, ns) if plan.devices[0] == "cpu" else (compiled.tree, None)
+    # On CPU ranks, a cell written for .cuda() runs on the CPU (the %%ondevice rewrite).
+    ship_tree, helper = rewrite_for_cpu_workers(compiled.tree, ns) if plan.devices[0] == "cpu" \
+        else (compiled.tree, None)
     if plan.cluster is None:
         from ..procs import pool as poolmod
         local = poolmod.current_pool(POOL_NAME)

@@ -58,6 +58,7 @@ import torch
 from ..cell.compile import compile_cell, compile_plain, is_empty, refuse_shell_calls
 from ..cell.module_settings import apply_settings
 from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.placement_workers import rewrite_for_cpu_workers
 from ..cell.values import find_loaders, find_modules, find_optimizers
 from ..errors import usage_error
 from ..procs import forkserver
@@ -157,18 +158,6 @@ def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tup
             notes.append(f"{name!r}: each worker steps its own copy ({type(optimizer).__name__}, state as in the "
                          "notebook) over the shared weights; the notebook's optimizer is left as it was")
     return strategy, notes
-
-
-def _placement_for_cpu(compiled, ns: dict, device_name: str):
-    """Workers on the CPU run code written for ``.cuda()`` there, as ``%%ondevice cpu`` does: the cell
-    rewritten, and the name of the helper its code calls (None where nothing was rewritten)."""
-    if device_name != "cpu":
-        return compiled, None
-    from ..cell.placement import HELPER, rewrite_placement
-    tree, rewriter = rewrite_placement(copy.deepcopy(compiled.tree), ns)
-    if not rewriter.rewrites:
-        return compiled, None
-    return dataclasses.replace(compiled, tree=tree), HELPER
 
 
 def _ship(method: str, ns: dict, used: list, loaders: dict, compiled):
@@ -287,7 +276,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     strategy, sharing_notes = _share(modules, optimizers, device_name, move)
     notes += sharing_notes
     seed = draw_seed() if seed is None else int(seed)
-    compiled, placement = _placement_for_cpu(compiled, ns, device_name)
+    placement = None
+    if device_name == "cpu":   # CPU workers run code written for .cuda() there (the %%ondevice rewrite)
+        tree, placement = rewrite_for_cpu_workers(compiled.tree, ns)
+        compiled = dataclasses.replace(compiled, tree=tree)
     meta, data, outgoing = _ship(method, ns, used, loaders, compiled)
     meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
                  "placement": placement,

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..cell.module_settings import module_settings
+from ..cell.placement_workers import bind_placement
 from ..procs.loaders import shard_loader
 from ..procs.seeding import seed_all
 from .sharing import match_optimizer_devices, private_state
@@ -204,10 +205,7 @@ def train(ctx, meta: dict, data) -> None:
             if on_gpu:
                 private_state(ns[name])  # CUDA tensors always arrive shared; an optimizer's state must not
     ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
-    if meta.get("placement"):   # the cell was rewritten for the CPU: the helper its .cuda() calls use
-        from ..cell.placement import Placement, install_passthrough
-        install_passthrough()
-        ns[meta["placement"]] = Placement(torch.device(meta["device"]))
+    bind_placement(ns, meta.get("placement"), meta["device"])   # the cell rewritten for CPU workers
     if meta["set_device_name"]:
         ns["device"] = torch.device(meta["device"])
     from torch.optim.optimizer import register_optimizer_step_post_hook
