@@ -14,7 +14,8 @@ from .names import names_read
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful", "same_tuple_type"]
+__all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful", "same_tuple_type",
+           "equal_values"]
 
 
 def _module_names(namespace: dict) -> list[str]:
@@ -89,6 +90,15 @@ def is_plain_value(value, _depth: int = 0) -> bool:
     if torch is not None and isinstance(value, torch.Tensor):
         return value.dim() == 0
     return False
+
+
+def equal_values(a, b) -> bool:
+    """``a == b`` for values of one type; False where the types differ or ``==`` raises or is not a
+    truth value (a tensor of several elements)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - any value's __eq__ may raise: unequal
+        return False
 
 
 def same_tuple_type(original: tuple, items: list) -> tuple:

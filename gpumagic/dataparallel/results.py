@@ -13,7 +13,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
-from ..cell.values import same_tuple_type
+from ..cell.values import equal_values, same_tuple_type
 
 logger = logging.getLogger(__name__)
 
@@ -129,18 +129,14 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
-        if isinstance(old, list) and isinstance(value, list) and name not in state.get("assigned", ()):
-            if old != value:
-                old[:] = value        # a list the cell appended to: same object, new contents
+        if name not in state.get("assigned", ()):
+            if equal_values(old, value):
+                continue
+            if _refill(old, value):   # a list the cell appended to: same object, new contents
                 bound.append(name)
-        elif isinstance(old, dict) and isinstance(value, dict) and name not in state.get("assigned", ()):
-            if old != value:
-                old.clear()
-                old.update(value)
-                bound.append(name)
-        elif name in state.get("assigned", ()) or not _equal(old, value):
-            ns[name] = value
-            bound.append(name)
+                continue
+        ns[name] = value
+        bound.append(name)
     objects, not_loaded = [], []
     for name, blob in (state.get("objects") or {}).items():
         try:
@@ -156,7 +152,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     for name, attrs in (state.get("attributes") or {}).items():
         target = ns.get(name)
         for attr, value in attrs.items():
-            _set_in_place(target, attr, value)
+            if not _refill(getattr(target, attr, None), value):
+                setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
     made = []
     for name, module in (state.get("made") or {}).items():
@@ -167,17 +164,17 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
 
 
-def _set_in_place(obj, attr: str, value) -> None:
-    """``obj.attr = value``, keeping the notebook's list or dict object where it had one (a callback's
-    ``self.losses`` may be referenced elsewhere too)."""
-    old = getattr(obj, attr, None)
+def _refill(old, value) -> bool:
+    """Give the notebook's list or dict ``old`` the contents of ``value`` (the same object stays, as other
+    names may hold it); False where they are not both lists or both dicts."""
     if isinstance(old, list) and isinstance(value, list):
         old[:] = value
     elif isinstance(old, dict) and isinstance(value, dict):
         old.clear()
         old.update(value)
     else:
-        setattr(obj, attr, value)
+        return False
+    return True
 
 
 _MISSING = object()
@@ -285,13 +282,6 @@ def _optimizer_state_to_keep(opt, sd: dict) -> dict:
                           else cloned(v) if not isinstance(v, torch.Tensor) else v)
                       for k, v in st.items()}
     return {**sd, "state": state}
-
-
-def _equal(a, b) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # noqa: BLE001 - any value's __eq__ may raise (tensors of several elements do): unequal
-        return False
 
 
 def cloned(obj):

@@ -28,7 +28,7 @@ import pickle
 
 import cloudpickle
 
-from ..cell.values import is_plain_value
+from ..cell.values import equal_values, is_plain_value
 
 __all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "attribute_snapshot", "changed_attributes",
            "is_watched", "WATCHED_ITEMS"]
@@ -172,9 +172,4 @@ def _small(value) -> bool:
 
 
 def _same(a, b) -> bool:
-    if isinstance(b, _Held):
-        return b == a
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # noqa: BLE001 - a value whose == raises (a tensor of several elements): changed
-        return False
+    return b == a if isinstance(b, _Held) else equal_values(a, b)
