@@ -15,7 +15,7 @@ import re
 import types
 
 __all__ = ["names_read", "names_assigned", "attributes_assigned", "import_bindings", "free_reads", "used_names",
-           "loop_targets", "names_tree", "notebook_names"]
+           "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
 _HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
@@ -219,6 +219,25 @@ def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
             found.setdefault(node.value.id, {})[node.attr] = None
     return {name: list(attrs) for name, attrs in found.items()}
+
+
+def attribute_chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` (read) as ``["a", "b", "c"]``; None for anything but a name or an attribute chain on one."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return [node.id, *reversed(attrs)]
+    return None
+
+
+def calls_assigned(tree: ast.AST):
+    """``(names, chain)`` for each ``name = a.b.C(...)`` in the cell: the names bound, and the called
+    :func:`attribute_chain` (None where the callee is not one)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            yield [t.id for t in node.targets if isinstance(t, ast.Name)], attribute_chain(node.value.func)
 
 
 def loop_targets(tree: ast.AST) -> list[str]:

@@ -25,7 +25,7 @@ import sysconfig
 import types
 from collections.abc import Iterator
 
-from ..cell.names import import_bindings
+from ..cell.names import attribute_chain, import_bindings
 from ..errors import usage_error
 
 __all__ = ["choose_mode", "framework_of", "DISTRIBUTING"]
@@ -120,7 +120,7 @@ def _references(tree: ast.AST, ns: dict, used: list[str]) -> Iterator[tuple[str,
     imported = _imports(tree)
     seen: set = set()
     for node in ast.walk(tree):
-        chain = _chain(node)
+        chain = attribute_chain(node)
         if chain is None:
             continue
         base, attrs = chain[0], chain[1:]
@@ -226,14 +226,3 @@ def _imports(tree: ast.AST) -> dict[str, str]:
     """Local name -> dotted name, for the cell's own (absolute) imports."""
     return {local: dotted for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
             for local, dotted in import_bindings(node) if not dotted.startswith(".")}
-
-
-def _chain(node: ast.AST) -> list[str] | None:
-    """``a.b.c`` as ``["a", "b", "c"]`` for the outermost attribute chain or name read; else None."""
-    attrs: list[str] = []
-    while isinstance(node, ast.Attribute):
-        attrs.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-        return [node.id, *reversed(attrs)]
-    return None

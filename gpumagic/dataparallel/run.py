@@ -23,7 +23,6 @@ In a notebook the magic is the way in::
 """
 from __future__ import annotations
 
-import ast
 import logging
 import os
 import time
@@ -32,7 +31,15 @@ import warnings
 from dataclasses import dataclass
 
 from ..cell.compile import compile_cell, refuse_shell_calls
-from ..cell.names import attributes_assigned, loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.names import (
+    attributes_assigned,
+    calls_assigned,
+    loop_targets,
+    names_assigned,
+    names_tree,
+    notebook_names,
+    used_names,
+)
 from ..cell.placement_workers import rewrite_for_cpu_workers
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
 from ..display import note
@@ -160,36 +167,18 @@ def _modules_built(tree, ns: dict) -> list[str]:
     where the class is the notebook's or torch's."""
     import torch
     built = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            chain = _dotted(node.value.func)
-            cls = ns.get(chain[0]) if chain else None
-            for attr in chain[1:]:
-                cls = getattr(cls, attr, None)
-            if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-                built += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    for names, chain in calls_assigned(tree):
+        cls = ns.get(chain[0]) if chain else None
+        for attr in (chain or [])[1:]:
+            cls = getattr(cls, attr, None)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            built += names
     return built
-
-
-def _dotted(node) -> list[str]:
-    """``nn.Sequential`` as ``["nn", "Sequential"]``; ``[]`` for anything but a name or attribute chain."""
-    attrs = []
-    while isinstance(node, ast.Attribute):
-        attrs.append(node.attr)
-        node = node.value
-    return [node.id, *reversed(attrs)] if isinstance(node, ast.Name) else []
 
 
 def _loaders_built(tree) -> list[str]:
     """Names the cell binds to a ``...DataLoader(...)`` call (``loader = DataLoader(ds, ...)``)."""
-    built = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            func = node.value.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if called.endswith("DataLoader"):
-                built += [t.id for t in node.targets if isinstance(t, ast.Name)]
-    return built
+    return [n for names, chain in calls_assigned(tree) if chain and chain[-1].endswith("DataLoader") for n in names]
 
 
 def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
