@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ast
 
-from gpumagic.cell.names import free_reads, used_names
+from gpumagic.cell.names import attributes_assigned, free_reads, names_assigned, names_deleted, used_names
 
 
 def test_used_names_follow_notebook_functions():
@@ -23,3 +23,27 @@ def test_free_reads_skip_names_the_cell_binds_first():
            "total += 1\n")
     assert free_reads(ast.parse(src)) == ["iter", "loader", "range", "n", "clock", "next", "model", "seen",
                                           "t0", "total"]
+
+
+def test_names_assigned_reach_past_a_lambda_and_leave_out_nested_scopes():
+    src = ("for x in loader:\n"
+           "    key = lambda b: b[0]\n"        # a nested scope in the loop: what follows it still counts
+           "    loss = key(x)\n"
+           "total = sum(v for v in range(3))\n"  # v is the generator's own
+           "if ready:\n"
+           "    def evaluate(m):\n"
+           "        inner = 1\n"
+           "import os.path\n"
+           "from math import cos as c\n")
+    assert names_assigned(ast.parse(src)) == ["x", "key", "loss", "total", "evaluate", "os", "c"]
+
+
+def test_a_deleted_name_is_read_from_the_notebook_and_named_as_deleted():
+    tree = ast.parse("del tmp, d[k]\nnew = 1\ndel new\nif flag:\n    del other\ndef f():\n    del local\n")
+    assert names_deleted(tree) == ["tmp", "new", "other"]
+    assert free_reads(tree) == ["tmp", "d", "k", "flag", "other"]   # new was bound by the cell first
+
+
+def test_attributes_assigned_through_a_chain_name_the_object_they_land_on():
+    tree = ast.parse("args.epochs = 2\ncfg.optim.lr = 0.1\ncfg.optim.steps += 1\nrows[0].x = 1\n")
+    assert attributes_assigned(tree) == {"args": ["epochs"], "cfg.optim": ["lr", "steps"]}

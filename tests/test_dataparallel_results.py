@@ -11,7 +11,8 @@ import textwrap
 import torch
 from torch import nn
 
-from gpumagic.dataparallel.results import define_in_notebook, load_into_notebook
+from gpumagic.cell.definitions import define_in_notebook
+from gpumagic.dataparallel.results import load_into_notebook
 
 CELL = """\
 import json as js

@@ -114,6 +114,36 @@ weight = torch.nn.Parameter(torch.ones(2))
     assert type(ns["weight"]) is torch.nn.Parameter and ns["weight"].tolist() == [1.0, 1.0]
 
 
+def test_attributes_set_deeper_in_the_notebooks_namespaces_and_a_del_come_back(shell):
+    run_cell(shell, SETUP + """
+import types
+cfg = argparse.Namespace(optim=types.SimpleNamespace(lr=0.1, steps=0), name="run")
+log.meta = types.SimpleNamespace(epoch=0)
+tmp = 1
+def bump(c):
+    c.optim.steps += 1            # a notebook function changes a namespace the cell's one holds
+""")
+    ns = shell.user_ns
+    optim, meta = ns["cfg"].optim, ns["log"].meta
+    _, cap = dp_cell(shell, CPU2, LOOP + """
+cfg.optim.lr = 0.05
+bump(cfg)
+log.meta.epoch = 2
+del tmp
+""")
+    assert ns["cfg"].optim is optim and ns["log"].meta is meta        # the notebook's own objects, changed
+    assert (optim.lr, optim.steps, meta.epoch) == (0.05, 1, 2)
+    assert "tmp" not in ns                                               # as after a plain cell
+    assert "cfg.optim.lr" in cap.stderr and "log.meta.epoch" in cap.stderr
+
+
+def test_a_del_that_does_not_run_leaves_the_name(shell):
+    run_cell(shell, SETUP + "keep = [1]\n")
+    keep = shell.user_ns["keep"]
+    dp_cell(shell, CPU2, LOOP + "if args.epochs > 5:\n    del keep\n")
+    assert shell.user_ns["keep"] is keep
+
+
 # --- the pieces, in one process ---------------------------------------------------------------------
 
 def test_pickled_for_notebook_detaches_copies_and_refuses_what_stays_in_the_ranks():

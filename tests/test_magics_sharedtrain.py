@@ -257,6 +257,30 @@ def test_steps_are_optimizer_steps_also_with_loaders_and_optimizers_made_in_the_
     assert "trained 'model': 16 steps" in out or "16 steps" in out, out
 
 
+def test_functions_classes_and_imports_of_the_cell_exist_in_the_notebook_afterwards(shell):
+    """A ``def evaluate`` written in the training cell is called in the next one, as after a plain cell;
+    the function reads the notebook's names, not a worker's."""
+    run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2 --start-method fork\n" + textwrap.dedent("""
+        import math as m
+        from collections import Counter
+        def accuracy(net):
+            return (net(data.x).argmax(1) == data.y).float().mean().item()
+        class Scaled:
+            factor = m.pi
+        for x, y, idx in loader:
+            optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+    """))
+    assert result.error_in_exec is None, out
+    ns = shell.user_ns
+    assert ns["m"] is __import__("math") and ns["Counter"] is __import__("collections").Counter
+    assert ns["Scaled"].factor == ns["m"].pi
+    expected = (ns["model"](ns["data"].x).argmax(1) == ns["data"].y).float().mean().item()
+    assert ns["accuracy"](ns["model"]) == expected and ns["accuracy"].__globals__ is ns
+    assert "defined in the notebook too, as after a plain cell: m, Counter, accuracy, Scaled" in out
+    assert "bound in the workers only" not in out
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_code_written_for_cuda_trains_on_cpu_workers(shell, method):
     """The article's Hogwild loop moves each batch with .cuda(): on CPU workers it runs there."""

@@ -14,8 +14,8 @@ import ast
 import re
 import types
 
-__all__ = ["names_read", "names_assigned", "attributes_assigned", "import_bindings", "free_reads", "used_names",
-           "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned"]
+__all__ = ["names_read", "names_assigned", "names_deleted", "attributes_assigned", "import_bindings", "free_reads",
+           "used_names", "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
 _HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
@@ -41,21 +41,41 @@ def import_bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
 
 
 def names_assigned(tree: ast.AST) -> list[str]:
-    """Names the cell binds at its top level (``loss = ...``, ``for epoch in ...``, ``import math``)."""
+    """Names the cell binds in the notebook's scope (``loss = ...``, ``for epoch in ...``, ``import math``,
+    ``def train``), in the order they appear; not the names of nested scopes (a lambda's or a
+    comprehension's)."""
     seen: dict[str, None] = {}
-    for stmt in getattr(tree, "body", []):
-        for node in ast.walk(stmt):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is stmt:
-                seen.setdefault(node.name, None)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                for local, _ in import_bindings(node):
-                    seen.setdefault(local, None)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                seen.setdefault(node.id, None)
-            elif isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                    and node is not stmt:
-                break  # names inside nested scopes are not the notebook's
+    for node in _top_scope(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            seen.setdefault(node.name, None)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for local, _ in import_bindings(node):
+                seen.setdefault(local, None)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            seen.setdefault(node.id, None)
     return list(seen)
+
+
+def names_deleted(tree: ast.AST) -> list[str]:
+    """Names a ``del`` in the notebook's scope unbinds (``del tmp``)."""
+    return list(dict.fromkeys(node.id for node in _top_scope(tree)
+                              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del)))
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+           ast.DictComp, ast.GeneratorExp)
+
+
+def _top_scope(tree: ast.AST):
+    """The cell's nodes in the notebook's own scope, in source order: a nested scope (function, class,
+    lambda, comprehension) is yielded itself, but not what it holds (a decorator, default or base
+    class is read where the scope is made, yet binds nothing there but a walrus, left out)."""
+    stack = list(reversed(getattr(tree, "body", [])))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
 def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
@@ -199,6 +219,12 @@ def _block(stmts, bound: set, reads: dict) -> None:
                         and node.id not in bound and node.id not in own:
                     reads.setdefault(node.id, None)
             bound.add(st.name)
+        elif isinstance(st, ast.Delete):
+            for t in st.targets:
+                _expr_reads(t, bound, reads)            # ``del d[k]`` reads d
+                for n in ast.walk(t):                   # ``del tmp`` needs the notebook's tmp
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Del) and n.id not in bound:
+                        reads.setdefault(n.id, None)
         elif isinstance(st, (ast.Global, ast.Nonlocal)):
             continue
         elif type(st).__name__ == "Match":
@@ -212,13 +238,16 @@ def _block(stmts, bound: set, reads: dict) -> None:
 
 
 def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:
-    """``{name: [attribute, ...]}`` for what the cell sets on a name's object (``args.epochs = 1``,
-    ``state.count += 1``), anywhere in the cell."""
+    """``{path: [attribute, ...]}`` for what the cell sets on an object it reaches from a name, anywhere
+    in the cell: ``args.epochs = 1`` and ``state.count += 1`` give ``{"args": ["epochs"], "state":
+    ["count"]}``; ``cfg.optim.lr = 0.1`` gives ``{"cfg.optim": ["lr"]}``."""
     found: dict[str, dict[str, None]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
-            found.setdefault(node.value.id, {})[node.attr] = None
-    return {name: list(attrs) for name, attrs in found.items()}
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            chain = attribute_chain(node.value)
+            if chain is not None:
+                found.setdefault(".".join(chain), {})[node.attr] = None
+    return {path: list(attrs) for path, attrs in found.items()}
 
 
 def attribute_chain(node: ast.AST) -> list[str] | None:

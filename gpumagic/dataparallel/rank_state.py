@@ -48,6 +48,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "objects": {},      # other objects the cell assigned, pickled (returnable.py)
         "attributes": {},   # attributes of the notebook's objects the cell changed
         "assigned": meta["assigned"],
+        "deleted": [n for n in meta.get("deleted", []) if n not in ns],   # ``del tmp`` ran
         "not_returned": [],
         "made": {},
         "value": _last_value(value, ns, inner, opts),

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
 from ..cell.values import equal_values, same_tuple_type
+from .returnable import follow_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CellResult", "load_into_notebook", "define_in_notebook", "cloned",
+__all__ = ["CellResult", "load_into_notebook", "cloned",
            "adopt_cell_classes", "NotebookName"]
 
 @dataclass
@@ -150,11 +151,13 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         ns[name] = obj
         bound.append(name)
     for name, attrs in (state.get("attributes") or {}).items():
-        target = ns.get(name)
+        target = follow_path(ns, name)
         for attr, value in attrs.items():
             if not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
+    for name in state.get("deleted") or []:   # unbound by the cell's ``del``, as after a plain cell
+        ns.pop(name, None)
     made = []
     for name, module in (state.get("made") or {}).items():
         # A model the cell built: a copy, since its tensors are views of a buffer the next cell reuses.
@@ -223,40 +226,11 @@ def _adopt_layers(module, trained) -> None:
         adopt(module, trained)
 
 
-def define_in_notebook(ns: dict, tree, filename: str, names: list[str]) -> tuple[list[str], list[str]]:
-    """Run again, in the notebook, the cell's statements that bound ``names`` to functions, classes and
-    modules (``def``, ``class``, ``import``): they exist there as after a plain cell, reading the
-    notebook's names. Returns ``(defined, not_defined)``, the second with the reason for each."""
-    import ast
-
-    from ..cell.names import import_bindings
-    last: dict[str, ast.stmt] = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            last[node.name] = node
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for local, _ in import_bindings(node):
-                last[local] = node
-    done, failed, run = [], [], set()
-    for name in names:
-        node = last.get(name)
-        if node is None:
-            failed.append(f"{name} (not bound by a def, class or import at the top of the cell)")
-            continue
-        try:
-            if id(node) not in run:
-                run.add(id(node))
-                exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
-            done.append(name)
-        except Exception as exc:  # noqa: BLE001 - named in the cell's note, with the reason
-            failed.append(f"{name} ({type(exc).__name__}: {exc})")
-    return done, failed
-
-
 def adopt_cell_classes(ns: dict, made: list[str], defined: list[str]) -> None:
     """Models the cell built from classes it defined arrive as instances of copies of those classes;
-    make them instances of the classes the notebook now holds (:func:`define_in_notebook`), so that
-    ``isinstance(head, Head)`` holds and ``torch.save(head)`` finds the class, as after a plain cell."""
+    make them instances of the classes the notebook now holds
+    (:func:`~gpumagic.cell.definitions.define_in_notebook`), so that ``isinstance(head, Head)`` holds and
+    ``torch.save(head)`` finds the class, as after a plain cell."""
     classes = {name: ns[name] for name in defined if isinstance(ns.get(name), type)}
     by_qualname = {(c.__module__, c.__qualname__): c for c in classes.values()}
     for name in made:

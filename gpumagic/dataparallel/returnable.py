@@ -6,11 +6,11 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
   tensor): they come back pickled, every tensor detached and on the CPU, unless they hold what
   belongs to the ranks (a module, an optimizer, a DataLoader, a framework's trainer) or are larger
   than :data:`RETURN_LIMIT`; then the note names them with the reason;
-* **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell; on
-  instances of classes defined in the notebook and on namespaces (``argparse.Namespace``,
-  ``SimpleNamespace``) any public attribute that changed, as a callback appending to
-  ``self.losses`` or a notebook function setting ``args.epochs``): their new plain values are set
-  on the notebook's objects, as after a plain cell;
+* **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell, and
+  deeper, ``cfg.optim.lr = 0.1``; on instances of classes defined in the notebook and on namespaces
+  (``argparse.Namespace``, ``SimpleNamespace``), and on such objects they hold, any public attribute
+  that changed, as a callback appending to ``self.losses`` or a notebook function setting
+  ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell;
 * **names bound to the notebook's own objects** (``alias = args``): bound to the same object.
 
 In a notebook::
@@ -31,7 +31,7 @@ import cloudpickle
 from ..cell.values import equal_values, is_plain_value
 
 __all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "attribute_snapshot", "changed_attributes",
-           "is_watched", "WATCHED_ITEMS"]
+           "is_watched", "watched_paths", "follow_path", "WATCHED_ITEMS"]
 
 RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, all together
 
@@ -52,6 +52,34 @@ def is_watched(value) -> bool:
     cls = type(value)
     return isinstance(getattr(value, "__dict__", None), dict) and (
         cls.__module__ == "__main__" or cls in (argparse.Namespace, types.SimpleNamespace))
+
+
+def watched_paths(ns: dict, names: list[str], depth: int = 3) -> list[str]:
+    """``names`` that are :func:`is_watched`, and the dotted paths of watched objects they hold
+    (``cfg.optim`` of ``cfg = SimpleNamespace(optim=SimpleNamespace(lr=0.1))``), ``depth`` levels
+    down; each object once."""
+    seen: set[int] = set()
+    paths: list[str] = []
+    frontier = [(n, ns.get(n)) for n in names]
+    for _ in range(depth):
+        nxt = []
+        for path, value in frontier:
+            if id(value) in seen or not is_watched(value):
+                continue
+            seen.add(id(value))
+            paths.append(path)
+            nxt += [(f"{path}.{k}", v) for k, v in vars(value).items() if not k.startswith("_")]
+        frontier = nxt
+    return paths
+
+
+def follow_path(ns: dict, path: str):
+    """The object ``path`` (``"cfg.optim"``) names in ``ns``; None where a step is missing."""
+    root, *attrs = path.split(".")
+    value = ns.get(root)
+    for attr in attrs:
+        value = getattr(value, attr, None)
+    return value
 
 
 class NotReturnable(Exception):
@@ -117,12 +145,12 @@ def _process_bound(obj) -> str | None:
 
 
 def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[str]]) -> dict:
-    """Rank 0, as the cell starts: ``{name: (copies of attributes, names of all its attributes)}`` for the
+    """Rank 0, as the cell starts: ``{path: (copies of attributes, names of all its attributes)}`` for the
     ``watched`` objects (their public plain attributes, but long lists and dicts) and for the
-    attributes the cell assigns (``assigned``)."""
+    attributes the cell assigns (``assigned``); paths as :func:`follow_path` reads them."""
     snapshot: dict = {}
     for name in dict.fromkeys([*watched, *assigned]):
-        attrs = getattr(ns.get(name), "__dict__", None)
+        attrs = getattr(follow_path(ns, name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
         kept = {k: copy.deepcopy(v) for k, v in attrs.items()
@@ -140,7 +168,7 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
     changed: dict = {}
     dropped: list[str] = []
     for name, (before, present) in snapshot.items():
-        attrs = getattr(ns.get(name), "__dict__", None)
+        attrs = getattr(follow_path(ns, name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
         keys = list(before)

@@ -31,11 +31,13 @@ import warnings
 from dataclasses import dataclass
 
 from ..cell.compile import compile_cell, refuse_shell_calls
+from ..cell.definitions import define_in_notebook
 from ..cell.names import (
     attributes_assigned,
     calls_assigned,
     loop_targets,
     names_assigned,
+    names_deleted,
     names_tree,
     notebook_names,
     used_names,
@@ -55,8 +57,8 @@ from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_me
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .results import CellResult, NotebookName, adopt_cell_classes, cloned, define_in_notebook, load_into_notebook
-from .returnable import is_watched
+from .results import CellResult, NotebookName, adopt_cell_classes, cloned, load_into_notebook
+from .returnable import watched_paths
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -85,8 +87,9 @@ class CellSurvey:
     stateful: list        # schedulers and other objects with a state_dict
     assigned: list
     return_names: list    # names whose plain values come back
-    watched: list         # notebook objects of notebook classes: their changed plain attributes come back
-    set_attributes: dict  # name -> attributes the cell sets on that notebook object
+    watched: list         # notebook objects of notebook classes (and those they hold, as "cfg.optim"):
+                          # their changed plain attributes come back
+    set_attributes: dict  # name or path -> attributes the cell sets on that notebook object
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
 
 
@@ -156,8 +159,8 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
         # the notebook's other objects: instances of its own classes, and what the cell sets on them
-        watched=[n for n in others if is_watched(ns[n])],
-        set_attributes={n: attrs for n, attrs in attributes_assigned(tree).items() if n in others},
+        watched=watched_paths(ns, others),
+        set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
 
@@ -297,7 +300,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
         "stateful": survey.stateful, "device_strings": survey.device_strings,
-        "return_names": survey.return_names, "assigned": survey.assigned,
+        "return_names": survey.return_names, "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
         "watched": survey.watched, "set_attributes": survey.set_attributes,
         "loop_targets": loop_targets(compiled.tree),
         "seed": plan.seed if plan.seed is not None else draw_seed(),

@@ -56,6 +56,7 @@ from collections.abc import Callable
 import torch
 
 from ..cell.compile import compile_cell, compile_plain, is_empty, refuse_shell_calls
+from ..cell.definitions import define_in_notebook, definitions
 from ..cell.module_settings import apply_settings
 from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
 from ..cell.placement_workers import rewrite_for_cpu_workers
@@ -267,7 +268,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         notes.append(f"--model {unused_model}: the cell does not use {unused_model}, so nothing trains it"
                      + (f"; what it trains of {', '.join(read)} stays in the workers (--model {read[0]} shares "
                         "it)" if read else ""))
-    kept_in_workers = [n for n in names_assigned(compiled.tree) if n not in set(loop_targets(compiled.tree))]
+    # def, class and import statements run again in the kernel after the workers; other names stay there
+    definable = [n for n in definitions(compiled.tree) if n in names_assigned(compiled.tree)]
+    kept_in_workers = [n for n in names_assigned(compiled.tree)
+                       if n not in set(loop_targets(compiled.tree)) and n not in definable]
     if kept_in_workers:
         notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
                      "report(name=value) sends values back (sharedtrain.history)")
@@ -277,6 +281,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     notes += sharing_notes
     seed = draw_seed() if seed is None else int(seed)
     placement = None
+    written = compiled.tree   # as the user wrote it: what the kernel defines again
     if device_name == "cpu":   # CPU workers run code written for .cuda() there (the %%ondevice rewrite)
         tree, placement = rewrite_for_cpu_workers(compiled.tree, ns)
         compiled = dataclasses.replace(compiled, tree=tree)
@@ -293,6 +298,12 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     finally:
         if fork_server == "after":
             forkserver.start_in_background(list(FORKSERVER_PRELOAD))
+    if definable:
+        defined, not_defined = define_in_notebook(ns, written, compiled.filename, definable)
+        if defined:
+            result.notes.append(f"defined in the notebook too, as after a plain cell: {', '.join(defined)}")
+        if not_defined:
+            result.notes.append(f"not defined in the notebook: {'; '.join(not_defined)}")
     return result
 
 
