@@ -30,6 +30,18 @@ def report_task(ctx, meta, data):
             "data": None if data is None else bytes(data.numpy()).decode()}
 
 
+def descriptor_task(ctx, meta, data):
+    """Writes below Python: a raw write, C's buffered printf, a subprocess, then fails where asked."""
+    import ctypes
+    os.write(1, f"fd out {ctx.rank}\n".encode())
+    os.write(2, f"fd err {ctx.rank}\n".encode())
+    ctypes.CDLL(None).printf(f"printf {ctx.rank}\n".encode())   # held in C's buffer until flushed
+    subprocess.run(["echo", f"child {ctx.rank}"], check=True)
+    if ctx.rank == meta.get("bad_rank"):
+        raise ValueError("after writing")
+    return ctx.rank
+
+
 def failing_task(ctx, meta, data):
     if ctx.rank == meta["bad_rank"]:
         raise ValueError(f"rank {ctx.rank} refuses")
@@ -101,6 +113,28 @@ def test_only_rank_0_prints_unless_every_rank_is_asked_to():
     finally:
         group.end(wait=5.0)
     assert set(printed) == {0}
+
+
+@pytest.mark.parametrize("all_output", [False, True])
+def test_what_ranks_write_below_python_follows_their_prints(all_output):
+    """C-level output and a subprocess's reach the kernel as the rank's output, before its result or
+    error (before, they went straight to the kernel's descriptors: every rank's, into the cell)."""
+    group = WorkerGroup(["cpu", "cpu"], name="test")
+    printed: list = []
+    try:
+        group.start("spawn", _configs(2, "spawn"), first=[f"{THIS}:descriptor_task",
+                                                         {"all_output": all_output, "bad_rank": 0}, None])
+        _, errors, _ = group.collect(on_output=lambda r, s, t: printed.append((r, s, t)))
+    finally:
+        group.end(wait=5.0)
+    assert primary_error(errors).message == "after writing" and errors.keys() == {0}
+    for rank in (0, 1) if all_output else (0,):
+        out = "".join(t for r, s, t in printed if r == rank and s == "stdout")
+        err = "".join(t for r, s, t in printed if r == rank and s == "stderr")
+        assert sorted(out.splitlines()) == sorted([f"fd out {rank}", f"printf {rank}", f"child {rank}"]), out
+        assert err == f"fd err {rank}\n"
+    if not all_output:
+        assert {r for r, _, _ in printed} == {0}
 
 
 def test_an_exception_is_reported_with_its_rank_and_the_others_finish():

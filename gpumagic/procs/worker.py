@@ -37,6 +37,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .failures import exception_info
+from .fd_output import DescriptorOutput
 from .loader_workers import fork_from_here
 from .teardown import die_with_parent, watch_kernel
 
@@ -79,6 +80,27 @@ class WorkerContext:
         self.forward = False           # whether what the task prints goes to the kernel
         self._send_lock = threading.Lock()
         self.streams = (ForwardedStream(self, "stdout"), ForwardedStream(self, "stderr"))
+        self.descriptors: DescriptorOutput | None = None   # fd 1 and 2, read back (a local worker)
+
+    def capture_descriptors(self) -> None:
+        """C-level output (and a subprocess's) follows the rank's prints: rank 0's to the cell, every
+        rank's with ``--all-output``; between tasks it goes where it went before."""
+        self.descriptors = DescriptorOutput(self._descriptor_text)
+        self.descriptors.start()
+
+    def _descriptor_text(self, stream: str, text: str) -> None:
+        if self.in_task:
+            if self.forward:
+                self._send(("out", stream, text))
+            return
+        saved = self.descriptors.original(stream) if self.descriptors is not None else None
+        if saved is not None:
+            os.write(saved, text.encode())
+
+    def drain_descriptors(self) -> None:
+        """What the task wrote to fd 1 and 2 reaches the kernel before its result."""
+        if self.descriptors is not None:
+            self.descriptors.drain()
 
     @property
     def torch_device(self):
@@ -150,6 +172,8 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
     """
     _prepare_process(config)
     ctx = WorkerContext(conn, config)
+    if not config.remote:   # (an ipyparallel engine relays its own descriptors)
+        ctx.capture_descriptors()
     try:
         info = _start_up(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel
@@ -339,9 +363,11 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
         result = _task_function(task)(ctx, meta, data)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         del result, meta, data
+        ctx.drain_descriptors()
         ctx.in_task = False
         ctx._send_result(payload, buffer)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel
+        ctx.drain_descriptors()
         ctx.in_task = False
         ctx._send(("error", exception_info(ctx.rank, exc)))
     finally:
