@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import copy
 import logging
 import time
@@ -27,6 +28,7 @@ from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
+from .rank_saves import saving_once
 from .rank_state import pack_state, rank0_state
 from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
@@ -121,7 +123,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         frozen = [name for name in inner if name not in wrapped]
         guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
         try:
-            with refusing_frameworks():
+            # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
+            with refusing_frameworks(), saving_once(ctx.rank) if not fsdp else contextlib.nullcontext():
                 value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:

@@ -1,0 +1,92 @@
+"""torch.save in a %%dataparallel cell writes rank 0's file once, whole (gpumagic.dataparallel.rank_saves).
+
+Before, every rank saved the tutorial checkpoint to the same path: the file held whichever rank
+finished last (rank 1's loss beside the notebook's rank 0 values), and two writes at once could
+interleave.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import os
+import tempfile
+
+import pytest
+import torch
+
+from gpumagic.dataparallel.rank_saves import saving_once
+from tests.conftest import run_cell
+from tests.dataparallel_helpers import dp_cell
+
+SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+loader = DataLoader(TensorDataset(torch.randn(128, 16), torch.randn(128, 2)), batch_size=16)
+"""
+
+# "Saving & loading a general checkpoint", from PyTorch's tutorial, inside the training loop; then
+# each rank reads back what it saved, as a cell that reloads its best checkpoint does.
+TUTORIAL = """
+import torch.distributed as dist
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    torch.save({"epoch": epoch, "model_state_dict": model.state_dict(),
+                "optimizer_state_dict": opt.state_dict(), "loss": loss}, PATH)
+torch.save({"rank": dist.get_rank()}, MINE)
+read_back = [None, None]
+dist.all_gather_object(read_back, torch.load(MINE)["rank"])
+"""
+
+
+def _private_copies() -> set:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "gpumagic-rank*-*")))
+
+
+def test_the_tutorials_checkpoint_is_rank_0s_and_each_rank_reads_its_own_save(shell, tmp_path):
+    run_cell(shell, SETUP + f"PATH = {str(tmp_path / 'ckpt.pt')!r}\nMINE = {str(tmp_path / 'mine.pt')!r}\n")
+    before = _private_copies()
+    dp_cell(shell, "--nprocs 2", TUTORIAL)
+    ns = shell.user_ns
+    checkpoint = torch.load(ns["PATH"])
+    assert checkpoint["epoch"] == 1
+    assert float(checkpoint["loss"]) == float(ns["loss"])           # rank 0's loss, as the notebook holds
+    for name, tensor in ns["model"].state_dict().items():             # the notebook's trained weights
+        assert torch.equal(checkpoint["model_state_dict"][name], tensor), name
+    assert torch.load(ns["MINE"]) == {"rank": 0}
+    assert ns["read_back"] == [0, 1]                                  # rank 1 read its own save
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "mine.pt"]     # no partial files
+    assert _private_copies() == before                                # rank 1's copies went with the cell
+
+
+def test_another_ranks_saves_stay_private_and_go_with_the_cell(tmp_path):
+    target = tmp_path / "model.pt"
+    buffer = io.BytesIO()
+    save, load = torch.save, torch.load
+    before = _private_copies()
+    with saving_once(rank=1):
+        torch.save({"w": 1}, target)
+        torch.save({"w": 2}, str(target))                   # the same path, spelled otherwise
+        torch.save({"in": "memory"}, buffer)                # buffers and open files are untouched
+        assert torch.load(target) == {"w": 2} and not target.exists()
+        assert len(_private_copies() - before) == 1
+    assert (torch.save, torch.load) == (save, load)
+    assert _private_copies() == before and not target.exists()
+    buffer.seek(0)
+    assert torch.load(buffer) == {"in": "memory"}
+
+
+def test_rank_0_writes_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "model.pt"
+    with saving_once(rank=0):
+        torch.save({"w": 1}, target)
+        with pytest.raises(Exception):
+            torch.save({"f": lambda: 0}, target)          # cannot be pickled: the old file stays
+    assert torch.load(target) == {"w": 1} and os.listdir(tmp_path) == ["model.pt"]
