@@ -82,3 +82,12 @@ def test_share_in_place_keeps_the_objects_and_their_values_in_one_memfd():
     assert model[0].weight.grad is not None
     share_in_place(tensors)                    # shared already: nothing moves
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+
+
+def test_share_in_place_moves_a_tensor_listed_twice_once():
+    # A tied weight is listed under both of its names (state_dict(keep_vars=True).values()): moving it
+    # a second time would read its new offset as the old one and shift it by its own offset.
+    from gpumagic.procs.bulk import share_in_place
+    first, tied = torch.tensor([1.5]), torch.arange(32.0).view(2, 16)
+    share_in_place([first, tied, tied])
+    assert torch.equal(tied, torch.arange(32.0).view(2, 16)) and first.item() == 1.5

@@ -66,7 +66,13 @@ def share_in_place(tensors) -> None:
     it through torch's reducers (``multiprocessing``), as they would ``share_memory_()``'s.
     """
     storages: dict[int, list] = {}
+    seen: set[int] = set()
     for t in tensors:
+        # Once per object: a tied weight listed twice (a state_dict names it under both its names)
+        # must not be moved twice, the second time from its new place.
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
         if t.device.type == "cpu" and not t.is_shared() and t.untyped_storage().nbytes():
             storages.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     if not storages:
