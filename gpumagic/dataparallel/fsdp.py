@@ -35,7 +35,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cell.module_settings import apply_settings, module_settings
 from ..display import note
+from ..errors import usage_error
 from .blocks import autocast_dtype, choose_blocks
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,13 @@ def choose_all_blocks(modules: dict, wrap: list[str] | None) -> dict:
     With several models, each takes the ``--wrap`` classes it has."""
     blocks = {}
     for name, module in modules.items():
+        # torch's fully_shard refuses them on every rank; said here, before any process starts
+        scalars = [f"{name}.{n}" for n, p in module.named_parameters() if p.dim() == 0]
+        if scalars:
+            raise usage_error(f"--strategy fsdp: FSDP2 (fully_shard) cannot shard 0-d parameters, and {name} has "
+                              f"{', '.join(scalars[:4])}{' and more' if len(scalars) > 4 else ''}: make them 1-D "
+                              "(nn.Parameter(torch.tensor([1.0])) instead of torch.tensor(1.0)), or train with "
+                              "--strategy ddp", ["--strategy ddp"])
         present = {type(m).__name__ for m in module.modules()}
         asked = [w for w in wrap if w in present] if wrap else None
         blocks[name] = choose_blocks(module, asked or wrap, name)
@@ -146,6 +155,9 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
             id(p) in stay_ids for g in o.param_groups for p in g["params"])],
         "param_dtype": autocast_dtype(tree, namespace)})
     shipment.config.update(_new_targets(records, modules, optimizers))
+    # A kept module is the ranks' own object: what the notebook set on its copy since (model.train(),
+    # model.temperature = 0.5, a frozen layer) reaches it this way, as it would in a plain cell.
+    shipment.config["settings"] = {name: module_settings(modules[name]) for name in kept_modules}
     for name, module in modules.items():
         if name in kept_modules:
             shipment.stand_ins[id(module)] = ("module", name)
@@ -246,11 +258,12 @@ def gather_deferred_state(state: dict, pool) -> dict:
 
 
 def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, shipment: FsdpShipment,
-                  made: dict | None = None) -> list[str]:
+                  made: dict | None = None, settings: dict | None = None) -> list[str]:
     """Rank 0's gathered state into the notebook: what it wrote in place is there already (``made``:
     the optimizer tensors :func:`gather_deferred_state` made for it); the rest is copied from
-    ``buffer``. Records what the ranks now hold. Returns the names whose trained state stays in the
-    workers."""
+    ``buffer``; ``settings`` (rank 0's :func:`~gpumagic.cell.module_settings.module_settings`: eval(),
+    attributes, requires_grad) are set on the modules, a meta model's too. Records what the ranks now
+    hold. Returns the names whose trained state stays in the workers."""
     import torch
     config = shipment.config
     made = made or {}
@@ -268,8 +281,11 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
             by_optimizer.setdefault(ref[1], {})[(ref[2], ref[3])] = (view, key)
     records = _records(pool)
     stayed = []
+    settings = settings or {}
     with torch.no_grad():
         for name, module in modules.items():
+            if name in settings:
+                apply_settings(module, settings[name])
             if name in config["stay"]:
                 records["modules"][name] = _Record(weakref.ref(module), None, blocks=config["blocks"][name])
                 stayed.append(name)

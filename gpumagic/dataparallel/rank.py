@@ -33,6 +33,7 @@ from .rank_state import pack_state, rank0_state
 from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
+from .whole_values import whole_values
 from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,10 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     if fsdp:
         # The shards stay with sharding's own keeping; the store keeps the data the cell read.
         keys = store.rebuild(_trained_tensors(tensors, {}, {}))
+        # A sharded value (clip_grad_norm_'s norm, a state_dict) is useless in the kernel: whole first.
+        value, not_whole = whole_values(ctx, ns, meta["return_names"], value)
         return _gathered_payload(ctx, ns, meta, inner, opts, value, {
-            "stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None})
+            "stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}, not_whole)
     # A sharded module's tensors are shards: the workers keep none of them for the next cell.
     keys = store.rebuild(_trained_tensors(tensors, {n: m for n, m in inner.items() if n not in gathered}, opts))
     payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
@@ -159,12 +162,14 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     return payload, buffer
 
 
-def _gathered_payload(ctx, ns: dict, meta: dict, inner: dict, opts: dict, value, payload: dict):
+def _gathered_payload(ctx, ns: dict, meta: dict, inner: dict, opts: dict, value, payload: dict,
+                      not_whole: list[str]):
     """--strategy fsdp: rank 0's plain values packed, then every rank gathers the sharded state
     (rank 0 writing it into the notebook's tensors or after those values)."""
     prefix = None
     if ctx.rank == 0:
         state = rank0_state(ns, meta, inner, opts, value)
+        state["not_returned"] += not_whole
         state["modules"], state["optimizers"] = {}, {}   # these are gathered below, a tensor at a time
         packed = pack_state(state, None)
         payload["state"], prefix = packed.header, packed.data()

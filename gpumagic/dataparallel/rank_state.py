@@ -38,8 +38,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     import torch
     state: dict = {
         "modules": {n: m.state_dict() for n, m in inner.items()},
-        # eval(), attributes, requires_grad; fsdp's modules come back through their own gather instead
-        "settings": {} if meta.get("fsdp") else {n: module_settings(m) for n, m in inner.items()},
+        # eval(), attributes, requires_grad (an FSDP module answers with the notebook's qualified names)
+        "settings": {n: module_settings(m) for n, m in inner.items()},
         # a loader's own generator (passed on to the split loader) advanced as it would in one process
         "generators": {n: ns[n].generator.get_state() for n in meta["loaders"] if ns[n].generator is not None},
         "optimizers": {n: o.state_dict() for n, o in opts.items()},

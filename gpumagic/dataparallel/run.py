@@ -428,10 +428,17 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         if shipment:
             made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
-                                            shipment, made)
+                                            shipment, made, state.get("settings"))
     except BaseException:
         pool.held = set()
         pool.fsdp_records = None
         held.lost("loading the trained state failed, so they dropped what they kept", ns)
         raise
     return state
+        # fsdp's rank 0 wrote into the notebook's tensors before the kernel began: those stay written
+        written = sorted({ref[1] for ref, offset, *_ in (payload.get("fsdp") or {}).get("tensors", []) if offset < 0})
+        if shipment and written:
+            note(f"%%dataparallel --strategy fsdp: loading the cell's result failed after rank 0 had written the "
+                 f"trained tensors of {', '.join(written)} into the notebook's in place: those hold their state after "
+                 "the cell, the rest (other optimizer state, schedulers, values) as before it. Run the training "
+                 "again, or load a checkpoint")

@@ -28,6 +28,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+from ..cell.module_settings import apply_settings
 from .blocks import block_instances
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def shard_modules(ctx, ns: dict, meta: dict, device) -> dict:
     for name in meta["modules"]:
         module = ns[name]
         if name in config["kept_modules"]:
+            # what the notebook set on its copy since the last cell (model.train(), a frozen layer)
+            apply_settings(module, config.get("settings", {}).get(name) or {"modules": {}, "requires_grad": {}})
             inner[name] = module
             continue
         on_meta = any(t.is_meta for _, t in _named_tensors(module))
@@ -116,8 +119,8 @@ def shard_modules(ctx, ns: dict, meta: dict, device) -> dict:
         if uninitialised and ctx.rank == 0:
             ctx.send({"kind": "warning", "text": (
                 f"{name} was on the meta device and these classes have no reset_parameters() to initialise "
-                f"their parameters on the ranks, so they start at zero: {', '.join(uninitialised)}. Give them "
-                "one, or initialise them in the cell")})
+                f"their parameters or buffers on the ranks, so they start at zero: {', '.join(uninitialised)}. "
+                "Give them one (computing the buffers too), or initialise them in the cell")})
         now = dict(module.named_parameters(remove_duplicate=False))
         param_map.update({pid: now[fqn] for pid, fqn in fqn_of.items()})
         kept["modules"][name] = module
@@ -159,11 +162,12 @@ def _shard(module, classes: list[str], mesh, policy, device, on_meta: bool) -> l
 
 def _materialise(modules, device, memo: dict, uninitialised: list) -> None:
     """Meta tensors of ``modules`` made real on ``device`` and initialised by each module's
-    ``reset_parameters()`` (tied parameters stay tied: ``memo``). Modules without one get zeros and
-    their class is added to ``uninitialised``."""
+    ``reset_parameters()`` (tied parameters stay tied: ``memo``). Modules without one get zeros, and
+    what is left at zero is added to ``uninitialised``: the class, or its buffers (a positional
+    encoding's table, a causal mask: computed in ``__init__``, which the ranks do not run)."""
     import torch
     for m in modules:
-        fresh = False
+        fresh, fresh_buffers = False, []
         for store in (m._parameters, m._buffers):
             for key, t in store.items():
                 if t is None or not t.is_meta:
@@ -172,6 +176,8 @@ def _materialise(modules, device, memo: dict, uninitialised: list) -> None:
                     new = torch.zeros_like(t, device=device)
                     memo[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
                         if isinstance(t, torch.nn.Parameter) else new
+                    if store is m._buffers:
+                        fresh_buffers.append(key)
                 store[key] = memo[id(t)]
                 fresh = True
         if not fresh:
@@ -181,8 +187,12 @@ def _materialise(modules, device, memo: dict, uninitialised: list) -> None:
         if callable(reset):
             with torch.no_grad():
                 reset()
-        elif any(True for _ in m.parameters(recurse=False)) and type(m).__name__ not in uninitialised:
-            uninitialised.append(type(m).__name__)
+            continue
+        what = type(m).__name__
+        if fresh_buffers:
+            what += f" (buffer{'s' if len(fresh_buffers) > 1 else ''} {', '.join(fresh_buffers)})"
+        if (fresh_buffers or any(True for _ in m.parameters(recurse=False))) and what not in uninitialised:
+            uninitialised.append(what)
 
 
 def _adopt_optimizer(opt, param_map: dict, mesh, device) -> None:
