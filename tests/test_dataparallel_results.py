@@ -170,3 +170,25 @@ def test_modules_not_reshaped_still_load_their_state_dict_in_place():
     load_into_notebook({}, state, {"model": model, "other": other}, {}, [])
     assert model.weight is weight and torch.equal(model.weight, got["weight"])
     assert len(other) == 1 and other[0].out_features == 4 and other[0] is not trained_other[0]
+
+
+def test_a_stateful_object_that_refuses_its_state_is_named_with_what_was_loaded_already():
+    import pytest
+
+    class Picky:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            raise ValueError("wrong version")
+
+    model = nn.Linear(3, 2)
+    got = {k: v + 1 for k, v in model.state_dict().items()}
+    ns = {"model": model, "sched": Picky(), "epochs": 1}
+    state = {"modules": {"model": got}, "optimizers": {}, "stateful": {"sched": {"v": 2}},
+             "values": {"epochs": 5}, "assigned": ["epochs"]}
+    with pytest.raises(RuntimeError, match=r"sched.load_state_dict raised ValueError: wrong version. The trained "
+                                           r"state was already loaded into model, which keep it; sched and the "
+                                           r"cell's other values are as before the cell"):
+        load_into_notebook(ns, state, {"model": model}, {}, ["sched"])
+    assert torch.equal(model.weight, got["weight"]) and ns["epochs"] == 1

@@ -123,7 +123,15 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
         if name in state["stateful"]:
-            ns[name].load_state_dict(cloned(state["stateful"][name]))
+            try:
+                ns[name].load_state_dict(cloned(state["stateful"][name]))
+            except Exception as exc:
+                # the trained weights are in the notebook already: say so, rather than leave it to be guessed
+                written = ", ".join([*modules, *optimizers])
+                raise RuntimeError(
+                    f"{name}.load_state_dict raised {type(exc).__name__}: {exc}. The trained state was already "
+                    f"loaded into {written}, which keep it; {name} and the cell's other values are as before "
+                    "the cell") from exc
     for name, generator_state in (state.get("generators") or {}).items():
         if getattr(ns.get(name), "generator", None) is not None:
             ns[name].generator.set_state(generator_state.clone())
