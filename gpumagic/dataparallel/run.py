@@ -57,6 +57,7 @@ from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_me
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
+from .relays import Relays
 from .results import CellResult, NotebookName, adopt_cell_classes, cloned, load_into_notebook
 from .returnable import watched_paths
 from .wrapping import CUDA_STRING
@@ -284,12 +285,14 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_pool = time.monotonic()
     shipment = prepare_shipment(compiled.tree, survey.modules, survey.optimizers, pool, blocks,
                                 plan.keep_optimizer, ns) if blocks is not None else None
+    relays = Relays()   # the notebook's loggers (a SummaryWriter) stay here; rank 0's calls come back to them
     try:
         packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns,
                                    targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
                                    held=pool.held, scratch=pool.outgoing,
                                    share=shipment.share if shipment else None,
-                                   stand_ins=shipment.stand_ins if shipment else None)
+                                   stand_ins=shipment.stand_ins if shipment else None,
+                                   stand_in_for=relays.stand_in_for)
     except Unshippable as exc:
         raise _unshippable(exc) from None
     # From here the ranks replace what they hold; until the cell's end says what that is, the
@@ -306,12 +309,13 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
         "launch": _launch_address(pool, plan) if launch else None,
+        "relays": relays.found,
         "fsdp": shipment.config if shipment else None,
         "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
         "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
                 "grad_dtype": plan.grad_dtype, "compile": plan.compile},
     }
-    results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output)
+    results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output, relays)
     t_ranks_done = time.monotonic()
     payload, buffer = results[0]
     # Writing the trained state back takes about as long as copying the model once; an interrupt
@@ -367,7 +371,7 @@ def _launch_address(pool, plan: Plan) -> dict:
     return {"master_addr": address, "master_port": port, "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
 
 
-def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list, dict]:
+def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays) -> tuple[list, dict]:
     """Run the cell on every rank, showing output and progress; returns results and start times."""
     progress = Progress(pool.devices, shell)
     output = RankOutput(prefix=all_output)
@@ -385,6 +389,10 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool) -> tuple[list,
             warn_in_cell(msg["text"], meta["filename"])
         elif msg.get("kind") == "note":
             note(msg["text"])
+        elif msg.get("kind") == "relay":
+            failed = relays.replay(msg)
+            if failed:
+                note(failed)
 
     try:
         results = pool.run(TASK, meta, data, on_output=output.write, on_message=on_message, on_tick=progress.tick)

@@ -147,7 +147,7 @@ class _Pickler(cloudpickle.Pickler):
         self._packer = packer
 
     def reducer_override(self, obj):
-        token = self._packer.stand_ins.get(id(obj))
+        token = self._packer.stand_in(obj)
         if token is not None:
             return _stand_in, (token,)
         if isinstance(obj, torch.Tensor):
@@ -174,14 +174,22 @@ class _Pickler(cloudpickle.Pickler):
 
 class _Packer:
     def __init__(self, targets: dict[int, str], share: Callable[[torch.Tensor], bool] | None,
-                 stand_ins: dict[int, tuple] | None = None):
+                 stand_ins: dict[int, tuple] | None = None,
+                 stand_in_for: Callable[[object], tuple | None] | None = None):
         self.targets = targets
         self.stand_ins = stand_ins or {}
+        self.stand_in_for = stand_in_for
         self.share = share
         self.tensors: list[torch.Tensor] = []
         self.specs: list[TensorSpec] = []
         self.shared: list[torch.Tensor] = []
         self.filenames: set[str] = set()
+
+    def stand_in(self, obj) -> tuple | None:
+        token = self.stand_ins.get(id(obj))
+        if token is None and self.stand_in_for is not None:
+            token = self.stand_in_for(obj)
+        return token
 
     def shares(self, t: torch.Tensor) -> bool:
         return self.share is not None and self.share(t)
@@ -215,7 +223,8 @@ def _cell_sources(filenames: set[str]) -> dict[str, str]:
 def pack(obj, *, targets: dict[int, str] | None = None, held: set | frozenset = frozenset(),
          scratch: Outgoing | None = None, min_cache_bytes: int = LARGE_TENSOR_BYTES, fingerprint: bool = True,
          share: Callable[[torch.Tensor], bool] | None = None, sources: dict[str, str] | None = None,
-         stand_ins: dict[int, tuple] | None = None) -> Packed:
+         stand_ins: dict[int, tuple] | None = None,
+         stand_in_for: Callable[[object], tuple | None] | None = None) -> Packed:
     """Pack ``obj`` for :func:`unpack` on the other side.
 
     ``targets`` maps ``id(tensor)`` to ``"rank"``, ``"cpu"`` or ``"keep"``;
@@ -224,9 +233,10 @@ def pack(obj, *, targets: dict[int, str] | None = None, held: set | frozenset = 
     The buffer is ``scratch.get(n)`` (a :class:`~.bulk.Outgoing`) when given,
     valid until its next use. ``sources`` adds cell sources to those found.
     ``stand_ins`` maps ``id(obj)`` to a token: the object does not travel, the
-    receiver puts in what it holds under that token (``unpack``'s ``stand_ins``).
+    receiver puts in what it holds under that token (``unpack``'s ``stand_ins``);
+    ``stand_in_for(obj)`` gives such a token for objects found while packing (or None).
     """
-    packer = _Packer(targets or {}, share, stand_ins)
+    packer = _Packer(targets or {}, share, stand_ins, stand_in_for)
     f = io.BytesIO()
     _Pickler(f, packer).dump(obj)
     payload = f.getvalue()
@@ -393,7 +403,8 @@ def pack_namespace(values: dict, namespace: dict, *, droppable=(), **kwargs) -> 
     problems, dropped = [], []
     for name, value in values.items():
         try:
-            pack(value, fingerprint=False, share=kwargs.get("share"), stand_ins=kwargs.get("stand_ins"))
+            pack(value, fingerprint=False, share=kwargs.get("share"), stand_ins=kwargs.get("stand_ins"),
+                 stand_in_for=kwargs.get("stand_in_for"))
         except Exception as exc:  # noqa: BLE001 - reported by name, or dropped where the cell makes its own
             if name in droppable:
                 dropped.append(name)
