@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 
-from gpumagic.dataparallel.relays import CallRelay, Relays
+from gpumagic.procs.relays import CallRelay, Relays
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -108,3 +108,23 @@ def test_a_relay_stands_for_each_logger_once_and_other_ranks_send_nothing():
     loud = CallRelay(0, "SummaryWriter", {}, sent.append, active=True)
     loud.add_scalar("loss", 1.0, step=3)
     assert [(m["method"], pickle.loads(m["args"])) for m in sent] == [("add_scalar", (("loss", 1.0), {"step": 3}))]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_every_sharedtrain_workers_calls_reach_the_notebooks_writer(shell, tmp_path, method):
+    """Before: spawn refused the writer, and under fork a worker's copy of it (with no writing thread)
+    waited for ever."""
+    logdir = str(tmp_path / "runs")
+    run_cell(shell, SETUP.format(logdir=logdir))
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n" + """
+for i, (x, y) in enumerate(loader):
+    opt.zero_grad(); loss = ((model(x) - y) ** 2).mean(); loss.backward(); opt.step()
+    writer.add_scalar(f"loss/{rank}", loss.item(), i)
+writer.flush()
+""")
+    assert result.error_in_exec is None, out
+    shell.user_ns["writer"].flush()
+    files, scalars = _scalars(logdir)
+    assert len(files) == 1
+    assert {tag: [s for s, _ in points] for tag, points in scalars.items()} == {"loss/0": [0, 1], "loss/1": [0, 1]}

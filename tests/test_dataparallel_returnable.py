@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpumagic.dataparallel.returnable import NotReturnable, attribute_snapshot, changed_attributes, pickled_for_notebook
+from gpumagic.dataparallel.returnable import attribute_snapshot, changed_attributes
+from gpumagic.procs.returning import NotReturnable, pickled_for_notebook
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 

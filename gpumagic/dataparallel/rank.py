@@ -23,6 +23,7 @@ import time
 from ..cell.compile import register_source
 from ..cell.placement_workers import bind_placement
 from ..procs.loaders import ShardedBatchSampler, shard_loader
+from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
@@ -30,7 +31,6 @@ from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
 from .rank_saves import saving_once
 from .rank_state import pack_state, rank0_state
-from .relays import rank_relays
 from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
@@ -69,11 +69,11 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     device = ctx.torch_device
     _apply_flags(meta["flags"])
     fsdp = meta.get("fsdp")
-    stand_ins = rank_relays(meta.get("relays") or {}, ctx.send, ctx.rank)   # the notebook's loggers
+    stand_ins = rank_relays(meta.get("relays") or {}, ctx.send, active=ctx.rank == 0)   # the notebook's loggers
     if fsdp:
         stand_ins.update(kept_objects(ctx, fsdp))
     ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store, shared=meta.get("shared"),
-                                   stand_ins=kept_objects(ctx, fsdp) if fsdp else None)
+                                   stand_ins=stand_ins)
     _prepare_namespace(ns, meta, device)
     seed_all(meta["seed"])
     launch = meta.get("launch")

@@ -15,9 +15,10 @@ import types
 
 from ..cell.module_settings import module_settings
 from ..cell.values import is_plain_value, same_tuple_type
+from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.wire import pack
 from .results import NotebookName
-from .returnable import RETURN_LIMIT, NotReturnable, changed_attributes, pickled_for_notebook
+from .returnable import changed_attributes
 
 logger = logging.getLogger(__name__)
 

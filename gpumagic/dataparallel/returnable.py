@@ -5,7 +5,8 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
 * **objects the cell assigned** (``preds = trainer.predict(test)``, a numpy array, a dataclass, a
   tensor): they come back pickled, every tensor detached and on the CPU, unless they hold what
   belongs to the ranks (a module, an optimizer, a DataLoader, a framework's trainer) or are larger
-  than :data:`RETURN_LIMIT`; then the note names them with the reason;
+  than :data:`~gpumagic.procs.returning.RETURN_LIMIT` (pickled by
+  :func:`~gpumagic.procs.returning.pickled_for_notebook`); then the note names them with the reason;
 * **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell, and
   deeper, ``cfg.optim.lr = 0.1``; on instances of classes defined in the notebook and on namespaces
   (``argparse.Namespace``, ``SimpleNamespace``), and on such objects they hold, any public attribute
@@ -23,22 +24,11 @@ In a notebook::
 from __future__ import annotations
 
 import copy
-import io
-import pickle
-
-import cloudpickle
 
 from ..cell.values import equal_values, is_plain_value
 
-__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "attribute_snapshot", "changed_attributes",
-           "is_watched", "watched_paths", "follow_path", "WATCHED_ITEMS"]
+__all__ = ["attribute_snapshot", "changed_attributes", "is_watched", "watched_paths", "follow_path", "WATCHED_ITEMS"]
 
-RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, all together
-
-# (package root, class name): framework objects bound to the ranks' processes.
-_PROCESS_BOUND = {("transformers", "Trainer"), ("accelerate", "Accelerator"), ("lightning", "Trainer"),
-                  ("pytorch_lightning", "Trainer"), ("lightning", "Fabric"), ("lightning_fabric", "Fabric"),
-                  ("torch", "ProcessGroup")}
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
 WATCHED_ITEMS = 10_000
@@ -80,68 +70,6 @@ def follow_path(ns: dict, path: str):
     for attr in attrs:
         value = getattr(value, attr, None)
     return value
-
-
-class NotReturnable(Exception):
-    """Why an object cannot come back to the notebook."""
-
-
-def pickled_for_notebook(value, limit: int = RETURN_LIMIT) -> bytes:
-    """``value`` pickled for the kernel, its tensors detached and on the CPU; raises
-    :class:`NotReturnable` naming what it holds that cannot come back, or its size."""
-    sink = _Limited(limit)
-    try:
-        _Pickler(sink).dump(value)
-    except NotReturnable:
-        raise
-    except Exception as exc:  # noqa: BLE001 - anything that cannot be pickled: its reason goes in the note
-        raise NotReturnable(f"{type(exc).__name__}: {exc}") from None
-    return sink.getvalue()
-
-
-class _Limited(io.BytesIO):
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def write(self, b) -> int:
-        if self.tell() + memoryview(b).nbytes > self.limit:   # (protocol 5 writes PickleBuffers too)
-            raise NotReturnable(f"larger than the {self.limit >> 20} MB a cell brings back; save it from the cell")
-        return super().write(b)
-
-
-class _Pickler(cloudpickle.CloudPickler):
-    def reducer_override(self, obj):
-        import torch
-        if isinstance(obj, torch.Tensor):
-            cpu = obj.detach().to("cpu", copy=obj.device.type == "cpu")   # a copy: not a view of the rank's
-            if type(cpu) is not torch.Tensor:
-                raise NotReturnable(f"holds a {type(obj).__name__}")
-            if isinstance(obj, torch.nn.Parameter):   # stays a Parameter (its data is reduced as above)
-                return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad).__reduce_ex__(
-                    pickle.HIGHEST_PROTOCOL)
-            return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        kind = _process_bound(obj)
-        if kind is not None:
-            raise NotReturnable(f"holds {kind}, which stays in the ranks")
-        return super().reducer_override(obj)
-
-
-def _process_bound(obj) -> str | None:
-    import torch
-    if isinstance(obj, type):
-        return None
-    if isinstance(obj, torch.nn.Module):
-        inner = obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
-        return f"a torch.nn.Module ({type(inner).__name__})"
-    if isinstance(obj, torch.optim.Optimizer):
-        return f"an optimizer ({type(obj).__name__})"
-    if isinstance(obj, torch.utils.data.DataLoader):
-        return "a DataLoader"
-    for cls in type(obj).__mro__:
-        if (cls.__module__.split(".")[0], cls.__name__) in _PROCESS_BOUND:
-            return f"{'an' if cls.__name__[0] in 'AEIOU' else 'a'} {cls.__name__}"
-    return None
 
 
 def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[str]]) -> dict:

@@ -47,6 +47,7 @@ from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_
 from ..display import note
 from ..errors import usage_error
 from ..procs.output import RankOutput
+from ..procs.relays import Relays
 from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
@@ -57,7 +58,6 @@ from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_me
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .relays import Relays
 from .results import CellResult, NotebookName, adopt_cell_classes, cloned, load_into_notebook
 from .returnable import watched_paths
 from .wrapping import CUDA_STRING
@@ -408,6 +408,10 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays
             note("%%dataparallel --strategy fsdp: stopped while rank 0 was writing the trained state into the "
                  "notebook's tensors: the model and optimizer hold a mix of their state before and after the "
                  "cell. Load a checkpoint, or run the training again")
+        elif isinstance(exc, KeyboardInterrupt) and getattr(pool, "name", "") == "cluster":
+            # a cluster's engines are signalled, not ended: they stay (a note names any that were stopped)
+            note("%%dataparallel --cluster: interrupted; the cell ended on the engines, and the notebook's objects "
+                 "are as they were before the cell")
         elif isinstance(exc, KeyboardInterrupt):
             note("%%dataparallel: interrupted; the ranks were stopped, and the notebook's objects are as they "
                  "were before the cell")

@@ -15,7 +15,7 @@ Every rank ran the same cell, so every rank finds the same tensors; code that
 bound different ones on different ranks (``if rank == 0: ...``) is found by
 comparing the ranks' lists first, and those values are named as not brought back
 rather than gathered (a collective some ranks skipped would hang). Gathering
-stops at what one cell brings back (:data:`~.returnable.RETURN_LIMIT`): a larger
+stops at what one cell brings back (:data:`~gpumagic.procs.returning.RETURN_LIMIT`): a larger
 value (a big model's whole ``state_dict()``) is named instead, before any rank
 holds it whole.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .returnable import RETURN_LIMIT
+from ..procs.returning import RETURN_LIMIT
 
 __all__ = ["whole_values", "VALUE"]
 

@@ -66,6 +66,7 @@ from ..procs import forkserver
 from ..procs.failures import primary_error
 from ..procs.group import WorkerGroup
 from ..procs.output import RankOutput
+from ..procs.relays import Relays, is_relayed
 from ..procs.seeding import check_seed, draw_seed
 from ..procs.start import import_lazily_imported
 from ..procs.teardown import no_interrupts
@@ -86,8 +87,9 @@ EXIT_GRACE = 10.0          # seconds a worker that finished the cell may take to
 class _Run:
     """The kernel's side of one run: turns workers' messages into the result's counters and history."""
 
-    def __init__(self, result: SharedTrainResult, progress, output):
+    def __init__(self, result: SharedTrainResult, progress, output, relays: Relays | None = None):
         self.result = result
+        self.relays = relays   # the notebook's loggers, which take the workers' calls
         self.progress = progress
         self.own_output = RankOutput(prefix=True) if output is None else None
         self.output = output or self.own_output.write  # type: ignore[union-attr]
@@ -109,6 +111,10 @@ class _Run:
                 self.result.history.extend(rank, entries)
         elif message[0] == "settings":
             self.settings = message[1]
+        elif message[0] == "relay" and self.relays is not None:
+            said = self.relays.replay(message[1]) if message[1].get("kind") == "relay" else message[1]["text"]
+            if said and said not in self.result.notes:
+                self.result.notes.append(said)
         elif message[0] == "done":
             stats.state = "done"
 
@@ -161,14 +167,18 @@ def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tup
     return strategy, notes
 
 
-def _ship(method: str, ns: dict, used: list, loaders: dict, compiled):
-    """What the workers get: the namespace itself under fork, else the packed values.
+def _ship(method: str, ns: dict, used: list, loaders: dict, compiled, relays: Relays):
+    """What the workers get: the namespace itself under fork, else the packed values; the notebook's
+    loggers (a SummaryWriter) stay in the kernel, ``relays`` taking the workers' calls on them.
 
     Returns ``(meta, data, outgoing)``; ``outgoing`` (the shared memory, or None) is closed
     by the caller once every worker has started.
     """
     if method == "fork":
-        return {"namespace": ns, "code": compile(compiled.tree, compiled.filename, "exec")}, None, None
+        # (a forked copy of a writer has no writing thread: its calls would wait for ever)
+        relayed = {n: relays.stand_in_for(ns[n]) for n in used if is_relayed(ns[n])}
+        return {"namespace": ns, "code": compile(compiled.tree, compiled.filename, "exec"),
+                "relayed": relayed, "relays": relays.found}, None, None
     from ..procs.bulk import Outgoing
     from ..procs.wire import Unshippable, pack_namespace
     values = {n: ns[n] for n in used}
@@ -179,14 +189,16 @@ def _ship(method: str, ns: dict, used: list, loaders: dict, compiled):
     outgoing = Outgoing(shared=True)
     try:
         packed, _ = pack_namespace(values, ns, droppable=set(names_assigned(compiled.tree)), share=travels_shared,
-                                   fingerprint=False, scratch=outgoing, sources={compiled.filename: compiled.source})
+                                   fingerprint=False, scratch=outgoing, sources={compiled.filename: compiled.source},
+                                   stand_in_for=relays.stand_in_for)
     except Unshippable as exc:
         outgoing.close()
         name, value, error = exc.problems[0]
         raise usage_error(f"{name!r} ({type(value).__name__}) cannot be sent to spawned workers "
                           f"({type(error).__name__}: {error}); create it inside the cell, or use "
                           "--start-method fork") from None
-    meta = {"header": packed.header, "shared": packed.shared, "tree": compiled.tree, "filename": compiled.filename}
+    meta = {"header": packed.header, "shared": packed.shared, "tree": compiled.tree, "filename": compiled.filename,
+            "relays": relays.found}
     return meta, outgoing.handle(packed.data()), outgoing
 
 
@@ -285,7 +297,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     if device_name == "cpu":   # CPU workers run code written for .cuda() there (the %%ondevice rewrite)
         tree, placement = rewrite_for_cpu_workers(compiled.tree, ns)
         compiled = dataclasses.replace(compiled, tree=tree)
-    meta, data, outgoing = _ship(method, ns, used, loaders, compiled)
+    relays = Relays()
+    meta, data, outgoing = _ship(method, ns, used, loaders, compiled, relays)
     meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
                  "placement": placement,
                  "set_device_name": device is not None, "loaders": loaders, "optimizers": list(optimizers),
@@ -294,7 +307,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                                device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),
                                workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
     try:
-        _run_workers(result, meta, data, outgoing, progress, output)
+        _run_workers(result, meta, data, outgoing, progress, output, relays)
     finally:
         if fork_server == "after":
             forkserver.start_in_background(list(FORKSERVER_PRELOAD))
@@ -307,7 +320,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     return result
 
 
-def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress, output) -> None:
+def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress, output, relays: Relays) -> None:
     """Start the workers, hear from them until each is done, and end them, whatever happens."""
     method, nprocs, started = meta["method"], result.nprocs, meta["t0"]
     configs = [WorkerConfig(rank=r, world_size=nprocs, device=result.device, method=method,
@@ -315,7 +328,7 @@ def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress
                             environ=dict(os.environ) if method == "forkserver" else None)
                for r in range(nprocs)]
     group = WorkerGroup([result.device] * nprocs, name="sharedtrain")
-    run = _Run(result, progress, output)
+    run = _Run(result, progress, output, relays)
     try:
         server_before = None
         if method == "forkserver":

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
 from ..procs.loaders import shard_loader
+from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from .sharing import match_optimizer_devices, private_state
 
@@ -175,14 +176,18 @@ def _no_shell():
     return None
 
 
-def _namespace(meta: dict, data) -> tuple[dict, CodeType]:
-    """The cell's namespace and code: inherited under fork, unpacked otherwise."""
+def _namespace(meta: dict, data, stand_ins: dict) -> tuple[dict, CodeType]:
+    """The cell's namespace and code: inherited under fork, unpacked otherwise; the notebook's loggers
+    replaced by ``stand_ins``, which send the calls on them to the kernel."""
     if meta["method"] == "fork":
-        return meta["namespace"], meta["code"]
+        ns = meta["namespace"]
+        for name, token in meta.get("relayed", {}).items():
+            ns[name] = stand_ins[token]
+        return ns, meta["code"]
     from ..procs.wire import LARGE_TENSOR_BYTES, unpack_namespace
     # Large notebook tensors (datasets) stay mapped: one copy for every worker, not one in each.
     ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR_BYTES,
-                             shared=meta["shared"])
+                             shared=meta["shared"], stand_ins=stand_ins)
     ns.update({"__name__": "__main__", "__builtins__": builtins})
     return ns, compile(meta["tree"], meta["filename"], "exec")
 
@@ -191,7 +196,8 @@ def train(ctx, meta: dict, data) -> None:
     """Run the cell as worker ``ctx.rank`` of ``ctx.world_size`` (the task of every Hogwild worker)."""
     rank, world = ctx.rank, ctx.world_size
     channel = Channel(ctx.send, meta["t0"])
-    ns, code = _namespace(meta, data)
+    relays = rank_relays(meta.get("relays") or {}, lambda msg: ctx.send(("relay", msg)), active=True)
+    ns, code = _namespace(meta, data, relays)
     ns["get_ipython"] = _no_shell   # (under fork the notebook's own is the kernel's shell, not ours to use)
     del data
     seed_all(meta["seed"] + rank)

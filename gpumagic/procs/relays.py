@@ -5,8 +5,9 @@ it) holds a thread and an open event file: it cannot travel to the ranks, and a 
 write an event file per rank. So it stays in the kernel, and each rank gets a :class:`CallRelay`
 in its place: on rank 0 every method call (``writer.add_scalar('loss', loss, step)``) is sent to
 the kernel as it happens and made there on the notebook's writer, tensors and figures pickled on
-the CPU; on the other ranks a call does nothing, as their prints show nothing. Calls return None;
-the writer's plain attributes (``writer.log_dir``) read as in the notebook.
+the CPU; on the other ranks a call does nothing, as their prints show nothing (``%%sharedtrain``'s
+workers are each a trainer of their own: every worker's calls are made). Calls return None; the
+writer's plain attributes (``writer.log_dir``) read as in the notebook.
 
 Kernel side: :class:`Relays` (finds the loggers while the cell's values are packed, replays the
 calls); rank side: :func:`rank_relays`. In a notebook::
@@ -24,7 +25,7 @@ import logging
 import pickle
 
 from ..cell.values import is_plain_value
-from .returnable import NotReturnable, pickled_for_notebook
+from .returning import NotReturnable, pickled_for_notebook
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class CallRelay:
         return f"<the notebook's {self._kind}, rank 0's calls made there>"
 
 
-def rank_relays(found: dict, send, rank: int) -> dict:
-    """Stand-ins for :func:`~gpumagic.procs.wire.unpack`: a :class:`CallRelay` per logger the kernel found."""
-    return {("relay", i): CallRelay(i, kind, attrs, send, active=rank == 0) for i, (kind, attrs) in found.items()}
+def rank_relays(found: dict, send, active: bool) -> dict:
+    """Stand-ins for :func:`~gpumagic.procs.wire.unpack`: a :class:`CallRelay` per logger the kernel found,
+    sending calls where ``active`` (rank 0 of a ``%%dataparallel`` cell; every ``%%sharedtrain`` worker)."""
+    return {("relay", i): CallRelay(i, kind, attrs, send, active) for i, (kind, attrs) in found.items()}
