@@ -32,6 +32,7 @@ from typing import Any
 from .. import session
 from .cpus import usable_cpus
 from .failures import primary_error, same_failure
+from .follow_kernel import KernelView
 from .group import WorkerGroup
 from .worker import WorkerConfig
 
@@ -66,6 +67,7 @@ class WorkerPool(WorkerGroup):
         self.start_seconds: float | None = None
         self.tasks_run = 0
         self.held: set = set()          # fingerprint keys every worker holds (see .tensor_cache)
+        self.kernel_view: KernelView | None = None   # the kernel's directory and environment, as the workers know it
         self.state = "new"              # new | running | stopped | dead
         self._store: Any = None      # the rendezvous (see .rendezvous) while running
         self._outgoing: Any = None   # the kernel's bulk buffer, made on first use
@@ -96,6 +98,7 @@ class WorkerPool(WorkerGroup):
         self.state = "running"
         try:
             configs = [self._config(r.rank, r.device) for r in self.ranks]
+            self.kernel_view = KernelView()   # (spawned workers start in the kernel's directory and environment)
             super().start("spawn", configs)
             self.wait_ready(t0 + self.start_timeout, what=f"start within {self.start_timeout:.0f} s")
         except BaseException:
@@ -201,9 +204,11 @@ class WorkerPool(WorkerGroup):
     def _send_task(self, task: str, meta, data) -> list:
         out = self.outgoing
         senders = []
+        # %cd, sys.path and %env since the last task: each rank follows the kernel there first
+        changes = self.kernel_view.changes() if self.kernel_view is not None else None
         for r in self.ranks:
             ref, new = out.reference(data, peer=(r.rank, r.pid), can_share=True)
-            r.conn.send(("run", task, meta, ref))
+            r.conn.send(("run", task, meta, ref, changes))
             if ref is not None and ref[0] == "bytes":
                 # Socket writes release the GIL: such ranks receive at once.
                 t = threading.Thread(target=_send_bytes, args=(out, r, ref, data), daemon=True)

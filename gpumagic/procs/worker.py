@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from .failures import exception_info
 from .fd_output import DescriptorOutput
+from .follow_kernel import follow
 from .loader_workers import fork_from_here
 from .teardown import die_with_parent, watch_kernel
 
@@ -63,6 +64,7 @@ class WorkerConfig:
     bind_cpus: bool = False             # run on the CPU cores near the GPU
     preload: tuple = ()                 # modules a first task would import: imported while starting
     remote: bool = False                # on another machine (an ipyparallel engine): no descriptors
+    kernel: dict | None = None          # the kernel's directory and sys.path now (a fork server's child lacks them)
 
 
 class WorkerContext:
@@ -205,6 +207,8 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
         if incoming is None:
             from .bulk import Incoming
             incoming = Incoming()
+        if len(msg) > 4 and msg[4]:
+            follow(msg[4])   # the kernel's directory, sys.path and environment as the task was sent
         _run_task(ctx, [msg[1], msg[2], incoming.receive(conn, msg[3])])
         del msg
     _leave(conn)
@@ -224,6 +228,8 @@ def _prepare_process(config: WorkerConfig) -> None:
         os.environ.clear()
         os.environ.update(config.environ)
     os.environ.update(config.env)
+    if config.kernel is not None:
+        follow(config.kernel)
     # A worker's output reaches the notebook as plain text. ipykernel sets FORCE_COLOR for its own, and
     # rich (Lightning's progress bar) then draws as on a terminal, with cursor moves that a notebook
     # shows as a growing pile of frames: tell it this is no terminal, unless the user said otherwise.

@@ -64,6 +64,7 @@ from ..cell.values import find_loaders, find_modules, find_optimizers
 from ..errors import usage_error
 from ..procs import forkserver
 from ..procs.failures import primary_error
+from ..procs.follow_kernel import where_now
 from ..procs.group import WorkerGroup
 from ..procs.output import RankOutput
 from ..procs.relays import Relays, is_relayed
@@ -325,7 +326,8 @@ def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress
     method, nprocs, started = meta["method"], result.nprocs, meta["t0"]
     configs = [WorkerConfig(rank=r, world_size=nprocs, device=result.device, method=method,
                             parent_pid=os.getpid(), threads=1,
-                            environ=dict(os.environ) if method == "forkserver" else None)
+                            environ=dict(os.environ) if method == "forkserver" else None,
+                            kernel=where_now() if method == "forkserver" else None)
                for r in range(nprocs)]
     group = WorkerGroup([result.device] * nprocs, name="sharedtrain")
     run = _Run(result, progress, output, relays)
