@@ -144,3 +144,47 @@ def test_bad_compile_options_are_refused_before_any_process(shell, line, says):
     run_cell(shell, SETUP.format(shuffle=False))
     with pytest.raises(UsageError, match=says):
         dp_cell(shell, line, TRAIN)
+
+
+def test_a_model_the_notebook_compiled_trains_with_and_without_compile_and_stays_usable(shell):
+    # Introduction to torch.compile: `model = torch.compile(model)` in an earlier cell. The ranks
+    # wrapped torch's OptimizedModule in DDP, whose forward tests the module's truth: len() raised.
+    run_cell(shell, SETUP.format(shuffle=False) + "model = torch.compile(model)\n")
+    ns = shell.user_ns
+    inner = ns["model"]._orig_mod   # (the reference trains the model inside, eagerly)
+    notes = []
+    for line in (f"{CPU2} --compile", f"{CPU2} --compile", CPU2):
+        ref_model, _, _ = _reference({**ns, "model": inner})
+        _, cap = dp_cell(shell, line, TRAIN)
+        _assert_weights({"model": inner}, ref_model)
+        notes.append(cap.stderr)
+    assert "--compile: the compiled model was reused, nothing recompiled" in notes[1], notes[1]
+    assert type(ns["model"]).__name__ == "OptimizedModule" and ns["model"]._orig_mod is inner
+    result, out, _ = run_cell(shell, "import io, pickle\n"
+                                     "y = model(X[:2]); torch.save(model.state_dict(), io.BytesIO())\n"
+                                     "pickled = len(pickle.dumps(model))")
+    assert result.success, out
+
+
+def test_the_notebooks_torch_compile_settings_apply_on_every_rank(shell):
+    # A rank's graph-break warning says to set torch._dynamo.config.capture_scalar_outputs = True:
+    # set in the notebook, it must reach the ranks (it did not: they kept torch's defaults).
+    import torch._dynamo.config
+    import torch._inductor.config
+    from torch.utils._config_module import _UNSET_SENTINEL
+    run_cell(shell, SETUP.format(shuffle=False) + "import torch._dynamo\n"
+                                                  "torch._dynamo.config.capture_scalar_outputs = True\n")
+    read = ("out = model(X[:2])\n"
+            "flags = [torch._dynamo.config.capture_scalar_outputs, torch._inductor.config.freezing]\n")
+    try:
+        dp_cell(shell, CPU2, read)
+        assert shell.user_ns["flags"] == [True, False]
+        with torch._inductor.config.patch(freezing=True):
+            dp_cell(shell, CPU2, read)
+        assert shell.user_ns["flags"] == [True, True]
+        dp_cell(shell, CPU2, read)   # back at torch's default in the notebook: on the ranks too
+        assert shell.user_ns["flags"] == [True, False]
+    finally:
+        torch._dynamo.config._config["capture_scalar_outputs"].user_override.set(_UNSET_SENTINEL)
+    dp_cell(shell, CPU2, read)
+    assert shell.user_ns["flags"] == [False, False]

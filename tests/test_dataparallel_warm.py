@@ -178,3 +178,14 @@ def test_a_model_let_go_says_why_in_the_next_cells_note():
     after = WarmModels(warm.let_go("the last cell failed"))
     assert after.adopt("model", _ship(model), OPTIONS) == "the last cell failed"
     assert after.adopt("model", _ship(model), OPTIONS) == "first cell"      # said once
+
+
+def test_a_model_a_cell_did_not_train_says_so_when_it_is_trained_again_not_first_cell():
+    # `model` compiled, then a cell on `bad` only (which failed): the next cell on `model` is not its first.
+    model = _net_class()()
+    warm = WarmModels()
+    kept = _ship(model)
+    warm.keep("model", kept, kept, OPTIONS)
+    warm.retain_only(["bad"])
+    after = WarmModels(warm.let_go("the last cell failed"))
+    assert after.adopt("model", _ship(model), OPTIONS) == "a cell in between did not train it, which let it go"

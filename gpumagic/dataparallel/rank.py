@@ -27,6 +27,7 @@ from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
+from .compile_settings import apply_compile_settings
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
 from .rank_saves import saving_once
@@ -346,13 +347,15 @@ def _shapes(module) -> dict:
 
 
 def _apply_flags(flags: dict) -> None:
-    """The kernel's matmul precision and cuDNN settings, which decide results as much as the code."""
+    """The kernel's matmul precision, cuDNN and torch.compile settings, which decide results as much as
+    the code."""
     import torch
     torch.set_float32_matmul_precision(flags.get("float32_matmul_precision", "highest"))
     torch.backends.cudnn.benchmark = flags.get("cudnn_benchmark", False)
     torch.backends.cudnn.deterministic = flags.get("cudnn_deterministic", False)
     torch.backends.cudnn.allow_tf32 = flags.get("cudnn_allow_tf32", True)
     torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
+    apply_compile_settings(flags.get("compile_settings", {}))
 
 
 class TrainingPassSampler(ShardedBatchSampler):

@@ -53,6 +53,7 @@ from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
 from ..procs.wire import Unshippable, pack_namespace
 from . import held
+from .compile_settings import notebook_compile_settings
 from .detect import choose_mode
 from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch
@@ -207,7 +208,8 @@ def _backend_flags() -> dict:
             "cudnn_benchmark": torch.backends.cudnn.benchmark,
             "cudnn_deterministic": torch.backends.cudnn.deterministic,
             "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "compile_settings": notebook_compile_settings()}   # torch._dynamo.config and the like
 
 
 def _pool(plan: Plan):

@@ -68,8 +68,8 @@ class WarmModels:
         self.lost = dict(lost or {})   # name -> why the model kept for it was let go (for the note)
 
     def let_go(self, why: str) -> dict:
-        """Why each kept model is let go now, by name: for the next WarmModels' notes."""
-        return {name: why for name in self.kept}
+        """Why each kept model is let go now, or was before, by name: for the next WarmModels' notes."""
+        return {**self.lost, **{name: why for name in self.kept}}
 
     def adopt(self, name: str, module, options: tuple) -> Adopted | str:
         """The kept model for ``name`` with ``module``'s weights, or why it cannot be (it is let go)."""
@@ -97,6 +97,8 @@ class WarmModels:
         """Let go of the models no name of this cell asks for (their device memory with them)."""
         for name in [n for n in self.kept if n not in names]:
             del self.kept[name]
+            # (a later cell that trains it again compiles it anew: its note says why, not "first cell")
+            self.lost[name] = "a cell in between did not train it, which let it go"
 
 
 def follow_kept(ns: dict, replaced: dict) -> None:
@@ -141,12 +143,24 @@ def compile_forward(module, mode: str) -> None:
     one, so those trace nothing at all for a model made only of torch's layers (an
     ``nn.Sequential`` MLP, an ``nn.TransformerEncoder``). Compiling the model's own ``forward``
     does, whatever its class.
+
+    A model the notebook compiled already (``model = torch.compile(model)``, an ``OptimizedModule``)
+    has the model it wraps compiled this way, with ``mode``, and its own forward calls that one
+    uncompiled: one compile, the mode the cell asked for.
     """
     import torch
-    forward = type(module).forward.__get__(module)   # the class's, not an earlier compiled one
+
+    from .wrapping import user_module
+    target = user_module(module)
+    forward = type(target).forward.__get__(target)   # the class's, not an earlier compiled one
     compiled: Any = torch.compile(forward, mode=None if mode == "default" else mode)
     compiled._gpumagic_forward = True   # see forwards_set_aside
-    module.forward = compiled
+    target.forward = compiled
+    if target is not module:
+        def call_uncompiled(*args, **kwargs):
+            return target(*args, **kwargs)
+        call_uncompiled._gpumagic_forward = True   # type: ignore[attr-defined]
+        module.forward = call_uncompiled
 
 
 @contextmanager
@@ -242,14 +256,23 @@ def _difference(kept: _Kept, module, options: tuple) -> str:
         if set(now[cls]) != set(methods) or not all(_same(methods[a], now[cls][a]) for a in methods):
             return f"{cls.__name__}'s code or a global it reads changed"
     for (_, mine), (_, theirs) in zip(kept.module.named_modules(), module.named_modules()):
-        if set(vars(mine)) - _ADDED_BY_COMPILE != set(vars(theirs)):
+        if set(_compared_vars(mine)) != set(_compared_vars(theirs)):
             return f"the attributes of {type(theirs).__name__} changed"
-        for attr, value in vars(theirs).items():
+        for attr, value in _compared_vars(theirs).items():
             if attr in _OWN_STATE or (_plain(value) and _plain(vars(mine)[attr])):
                 continue   # plain values are copied; dynamo's guards see to any that its code reads
             if not _same(vars(mine)[attr], value):
                 return f"{type(theirs).__name__}.{attr} changed"
     return ""
+
+
+def _compared_vars(module) -> dict:
+    """A module's attributes that decide what its compiled code does: not the forward
+    :func:`compile_forward` set, nor, on torch.compile's wrapper (a model the notebook compiled),
+    the wrapper's own (its forward, its compile options): --compile compiles the model inside."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    skip = _ADDED_BY_COMPILE | (OptimizedModule._opt_mod_attributes if isinstance(module, OptimizedModule) else set())
+    return {k: v for k, v in vars(module).items() if k not in skip}
 
 
 def _copy_into(kept, module, adopted: Adopted) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["cell_ddp_class", "wrap_in_ddp", "RankDevice", "CUDA_STRING", "GRAD_DTYPES", "compressed_allreduce",
-           "refuse_unaveraged_steps", "UnaveragedParameters"]
+__all__ = ["cell_ddp_class", "wrap_in_ddp", "user_module", "RankDevice", "CUDA_STRING", "GRAD_DTYPES",
+           "compressed_allreduce", "refuse_unaveraged_steps", "UnaveragedParameters"]
 
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")   # what --grad-dtype takes
@@ -156,10 +156,21 @@ def _delegate_bool(self) -> bool:
     return bool(self.module)
 
 
+def user_module(module):
+    """The module the user wrote: ``module`` itself, or the one inside torch.compile's wrapper
+    (``model = torch.compile(model)`` in the notebook gives an ``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule  # (DDP's constructor imports dynamo anyway)
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod
+    return module
+
+
 def wrap_in_ddp(module, kwargs: dict, after_build=()):
     """``module`` in a :func:`cell_ddp_class` wrapper; ``after_build`` steps (``step(wrapper)``: a
     communication hook, compiling) run now and whenever a replaced layer makes DDP build again."""
-    wrapper = cell_ddp_class(type(module))(module, **kwargs)
+    # The container methods are those of the user's module: an OptimizedModule has ``__len__`` for
+    # every model (raising for those without one), and DDP's forward tests the module's truth.
+    wrapper = cell_ddp_class(type(user_module(module)))(module, **kwargs)
     wrapper._gpumagic_finish(dict(kwargs), list(after_build))
     return wrapper
 
