@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .import_patches import patch_module
+from ..procs.import_patches import patch_module
 
 __all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process",
            "forget_accelerate_state", "DistributionWatch"]

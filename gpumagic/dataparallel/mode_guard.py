@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .import_patches import patch_module
+from ..procs.import_patches import patch_module
 
 __all__ = ["refusing_frameworks", "SelfDistributingCell", "FRAMEWORK_CLASSES"]
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .display_relay import show
 from .failures import death_info
 from .start import start_process
 from .teardown import STOP_GRACE, end_processes, interrupts_deferred
@@ -162,6 +163,9 @@ class WorkerGroup:
                 elif msg[0] == "msg":
                     if on_message is not None:
                         on_message(rank, msg[1])
+                    continue
+                elif msg[0] in ("display", "clear"):
+                    show(msg)   # what the cell displayed on a rank whose output the cell shows
                     continue
                 elif msg[0] == "done":
                     results[rank] = (msg[1], self._incoming_for(rank).receive(self.ranks[rank].conn, msg[2]))

@@ -36,6 +36,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from .display_relay import relay_displays
 from .failures import exception_info
 from .fd_output import DescriptorOutput
 from .follow_kernel import follow
@@ -174,8 +175,9 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
     """
     _prepare_process(config)
     ctx = WorkerContext(conn, config)
-    if not config.remote:   # (an ipyparallel engine relays its own descriptors)
+    if not config.remote:   # (an ipyparallel engine relays its own descriptors and displays)
         ctx.capture_descriptors()
+        relay_displays(ctx)
     try:
         info = _start_up(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
+from ..procs.display_relay import relay_in
 from ..procs.loaders import shard_loader
 from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
@@ -183,6 +184,7 @@ def _namespace(meta: dict, data, stand_ins: dict) -> tuple[dict, CodeType]:
         ns = meta["namespace"]
         for name, token in meta.get("relayed", {}).items():
             ns[name] = stand_ins[token]
+        relay_in(ns)   # the notebook's display() and clear_output() reach the cell
         return ns, meta["code"]
     from ..procs.wire import LARGE_TENSOR_BYTES, unpack_namespace
     # Large notebook tensors (datasets) stay mapped: one copy for every worker, not one in each.

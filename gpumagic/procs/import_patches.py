@@ -1,4 +1,4 @@
-"""Patch a module of a framework now if it is imported, else right after its first import.
+"""Patch a module now if it is imported, else right after its first import (a framework's, IPython's display).
 
 A rank lives across cells, and a cell may import Lightning or accelerate at any
 line: a patch registered here reaches the module whenever it arrives. Each patch
