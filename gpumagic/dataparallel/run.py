@@ -447,8 +447,6 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         pool.held = set()
         pool.fsdp_records = None
         held.lost("loading the trained state failed, so they dropped what they kept", ns)
-        raise
-    return state
         # fsdp's rank 0 wrote into the notebook's tensors before the kernel began: those stay written
         written = sorted({ref[1] for ref, offset, *_ in (payload.get("fsdp") or {}).get("tensors", []) if offset < 0})
         if shipment and written:
@@ -456,3 +454,5 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
                  f"trained tensors of {', '.join(written)} into the notebook's in place: those hold their state after "
                  "the cell, the rest (other optimizer state, schedulers, values) as before it. Run the training "
                  "again, or load a checkpoint")
+        raise
+    return state
