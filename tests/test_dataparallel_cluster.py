@@ -478,6 +478,32 @@ def test_an_interrupt_ends_the_cell_within_seconds(shell, setup, hand, line, tmp
         assert ns["ws"] == 2 and last_result().pids == [hand.engine_pid(h) for h in HOSTS]
 
 
+def test_an_interrupted_cell_outside_collectives_leaves_the_engines_ranks(shell, setup, hand, line, tmp_path):
+    """Ranks in plain Python (no collective) end the cell on SIGINT: the engines stay ranks, and the note says
+    the cell ended on them, not that they were stopped."""
+    ns = setup
+    cell(shell, line, "a = model(X).shape[0]\n")
+    pids = [hand.engine_pid(h) for h in HOSTS]
+    marker = tmp_path / "running"
+
+    def interrupt_when_running():
+        end = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < end:
+            time.sleep(0.02)
+        _thread.interrupt_main()
+    watcher = threading.Thread(target=interrupt_when_running, daemon=True)
+    watcher.start()
+    body = (f"import time, torch.distributed as dist\nout = model(X)\nif dist.get_rank() == 0:\n"
+            f"    open({str(marker)!r}, 'w').close()\nfor i in range(600):\n    time.sleep(0.05)\n")
+    with capture_output() as cap, pytest.raises(KeyboardInterrupt):
+        shell.run_cell_magic("dataparallel", line, body)
+    watcher.join()
+    assert "the ranks were stopped" not in cap.stderr and "the cell ended on the engines" in cap.stderr, cap.stderr
+    assert living(pids) == pids
+    cell(shell, line, WORLD)
+    assert ns["ws"] == 2 and last_result().pids == pids
+
+
 def test_a_rank_error_names_rank_and_line_and_the_stuck_rank_is_said_gone(shell, setup, hand, line):
     ns = setup
     cell(shell, line, "a = model(X).shape[0]\n")
@@ -554,6 +580,30 @@ def test_an_engine_killed_mid_cell_is_a_clear_error(shell, setup, hand, line):
     assert not problems, "\n".join(problems)
 
 
+def test_engines_shut_down_between_cells_are_said_gone(shell, setup, hand, line):
+    """Every engine shut down by the user (``rc.shutdown()``) after a cell: the next cell is a UsageError saying
+    they are gone (not ipyparallel's NoEnginesRegistered from inside gpumagic), and status does not say formed."""
+    ns = setup
+    cell(shell, line, WORLD)
+    pids = [hand.engine_pid(h) for h in HOSTS]
+    client = hand.client()
+    try:
+        client.shutdown(targets="all", hub=False, block=True)
+    finally:
+        client.close()
+    assert wait_gone(pids, timeout=15) == []
+    hand.wait_registered(0, timeout=30)
+    text, rows = status_rows(shell)
+    assert "; formed" not in text and [r["alive"] for r in rows] == ["no", "no"], text
+    before = snapshot(ns)
+    for extra in ("", " --nprocs 1"):
+        with pytest.raises(UsageError) as err:
+            shell.run_cell_magic("dataparallel", line + extra, WORLD)
+        message = str(err.value)
+        assert "no engines" in message and "0 left" not in message, message
+    assert_untouched(ns, before)
+
+
 def test_a_lost_controller_ends_the_cell_in_bounded_time(shell, setup, tmp_path):
     """The controller (and its schedulers) killed mid-cell: the cell ends with an error saying so, soon,
     the model as it was; the next cell says so at once."""
@@ -622,6 +672,29 @@ def test_a_lost_controller_ends_the_cell_in_bounded_time(shell, setup, tmp_path)
 
 # ---------------------------------------------------------------- %dataparallel cluster start / stop
 
+@pytest.mark.parametrize("line, says", [
+    ("cluster start -n 0", "-n 0"),
+    ("cluster start -n -2", "-n -2"),
+    ("cluster start --engines nonsense -n 2", "--engines nonsense"),
+])
+def test_cluster_start_refuses_bad_input_before_starting_anything(shell, line, says):
+    before, was = _children(), clustermod.current_cluster()
+    t0 = time.monotonic()
+    with pytest.raises(UsageError) as err:
+        shell.run_line_magic("dataparallel", line)
+    assert says in str(err.value) and "valid choices" in str(err.value), str(err.value)
+    assert time.monotonic() - t0 < 5
+    assert wait_gone(_children() - before, timeout=10) == [] and clustermod.current_cluster() is was
+
+
+def test_cluster_status_is_status(shell):
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "cluster status")
+    with capture_output() as plain:
+        shell.run_line_magic("dataparallel", "status")
+    assert cap.stdout == plain.stdout and cap.stdout.strip()
+
+
 def test_a_started_cluster_trains_restarts_its_engines_and_stops(shell, setup, _isolated):
     """``%dataparallel cluster start --engines local -n 2`` (with a profile of the temporary IPYTHONDIR: without
     one ipyparallel uses the shell's own profile), cells on it with ``--cluster``, then ``cluster stop``."""
@@ -637,6 +710,10 @@ def test_a_started_cluster_trains_restarts_its_engines_and_stops(shell, setup, _
         started = clustermod.current_cluster()
         assert started is not None and started.owned
         assert str(started.cluster.profile_dir).startswith(str(_isolated))
+        # a misspelt start refuses before it stops the running cluster
+        with pytest.raises(UsageError, match="--engines nonsense"):
+            shell.run_line_magic("dataparallel", "cluster start --engines nonsense -n 2")
+        assert clustermod.current_cluster() is started and started.cluster.controller.poll() is None
 
         ref_model, ref_opt = reference(ns)
         cell(shell, "--cluster", TRAIN + WHERE)

@@ -80,6 +80,7 @@ class ClusterRanks:
     fsdp_records: Any = None
     tasks_run: int = 0
     name: str = "cluster"
+    aliases: set = field(default_factory=set)    # other --cluster values found to be this cluster
     _outgoing: Any = None
 
     # ---- what run.py uses of a pool
@@ -276,11 +277,16 @@ class ClusterRanks:
 
     def status(self) -> dict:
         """What ``%dataparallel status`` shows: each rank's host, engine, GPU and whether it is alive."""
+        # The client's engine list is the last the controller sent: with the controller gone it still
+        # names every engine, so nothing is alive then.
+        reachable = self.controller_alive()
         try:
-            registered = set(self.client.ids)
+            registered = set(self.client.ids) if reachable else set()
         except Exception:  # noqa: BLE001 - the hub is gone: nothing is alive
             registered = set()
-        return {"state": "formed" if self.alive else "not formed", "source": self.source,
+        state = ("controller gone" if not reachable else
+                 "formed" if self.alive and all(r.engine in registered for r in self.ranks) else "not formed")
+        return {"state": state, "source": self.source,
                 "backend": self.backend, "world_size": self.world_size, "tasks_run": self.tasks_run,
                 "ranks": [{"rank": r.rank, "host": r.host, "engine": r.engine, "device": r.device,
                            "local_rank": r.local_rank, "pid": r.pid,

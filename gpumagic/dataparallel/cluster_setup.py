@@ -11,11 +11,12 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import time
 
-from ..errors import WorkerError, usage_error
+from ..errors import UsageError, WorkerError, usage_error
 from . import cluster_watch
 from .cluster import ClusterRanks, EngineRank, call_engine
 
@@ -57,46 +58,148 @@ def connect(source: str) -> ClusterRanks:
                                                   "--cluster PROFILE", "--cluster path/to/ipcontroller-client.json"])
         _replace(_started)
         return _started
-    if _current is not None and _current.source == source:
-        return _current
-    client, cluster = _client_for(ipp, source)
+    # The last cell's cluster, while its controller answers; a controller that went away may have been
+    # started again under the same profile or file (new ports, a new key): look again.
+    last = _current
+    stale = last is not None and source in (last.source, *last.aliases)
+    if last is not None and stale and last.controller_alive():
+        return last
+    try:
+        cluster, make_client = _find(ipp, source)
+    except UsageError as exc:
+        if not stale:
+            raise
+        # (ipyparallel removes a stopped cluster's files: say what became of the one the last cell used)
+        raise UsageError(f"--cluster {source}: the ipyparallel controller the last cell used is gone; "
+                         + str(exc).removeprefix(f"--cluster {source}: ")) from None
+    if cluster is not None and _started is not None and cluster.cluster_file == _started.cluster.cluster_file:
+        _started.aliases.add(source)   # the one started here, named by its profile or file: its ranks as they are
+        _replace(_started)
+        return _started
+    with _leaving_px_alone():
+        client = _reach(source, make_client)
     _replace(ClusterRanks(client=client, source=source, cluster=cluster))
     assert _current is not None
     return _current
 
 
-def _client_for(ipp, source: str):
-    import json
+def _not_px(line=""):   # pragma: no cover - stands in for %px only while a client connects
+    raise RuntimeError("%px is not set up yet")
+
+
+@contextlib.contextmanager
+def _leaving_px_alone():
+    """The first ipyparallel Client made in an IPython session binds ``%px`` to itself. gpumagic's clients
+    are closed when the notebook moves to another cluster or lets one go, which would leave ``%px`` on a
+    closed client (and a Client the notebook makes after ours does not bind it again): so ``%px`` looks
+    taken while ours connect, and stays the notebook's own client's."""
+    from IPython import get_ipython
+    shell = get_ipython()
+    line = shell.magics_manager.magics["line"] if shell is not None else None
+    if line is None or "px" in line:
+        yield
+        return
+    line["px"] = _not_px
+    try:
+        yield
+    finally:
+        if line.get("px") is _not_px:
+            del line["px"]
+
+
+def _find(ipp, source: str):
+    """``(cluster or None, a function that connects a client to it)``: ``UsageError`` when none runs there."""
     from pathlib import Path
     path = Path(source).expanduser()
     looks_like_file = path.suffix == ".json" or "/" in source
+    return _reach(source, lambda: _by_file(ipp, source, path) if looks_like_file else _by_profile(ipp, source))
+
+
+def _reach(source: str, attempt):
     try:
-        if looks_like_file:
-            if not path.is_file():
-                raise usage_error(f"--cluster {source}: no such file", _choices())
-            if "cluster" in json.loads(path.read_text()):
-                cluster = ipp.Cluster.from_file(str(path))
-                return cluster.connect_client_sync(), cluster
-            return ipp.Client(str(path), timeout=10), None
-        from IPython.core.profiledir import ProfileDir, ProfileDirError
-        from IPython.paths import get_ipython_dir
-        try:
-            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), source)
-        except ProfileDirError:
-            raise usage_error(f"--cluster {source}: no ipyparallel cluster reachable there (no profile {source!r} "
-                              f"in {get_ipython_dir()})", _choices()) from None
-        try:
-            cluster = ipp.Cluster.from_file(profile=source)
-        except (OSError, ValueError, KeyError):
-            cluster = None   # started by ipcluster of an older ipyparallel, or by hand: its client file
-        if cluster is not None:
-            return cluster.connect_client_sync(), cluster
-        return ipp.Client(profile=source, timeout=10), None
+        return attempt()
     except Exception as exc:  # every way of not reaching one says the same
         if type(exc).__name__ == "UsageError":
             raise
         raise usage_error(f"--cluster {source}: no ipyparallel cluster reachable there ({type(exc).__name__}: {exc})",
                           _choices()) from None
+
+
+def _by_file(ipp, source: str, path):
+    """A cluster file (``cluster-*.json``: the controller's launcher too) or a client connection file."""
+    import json
+    if not path.is_file():
+        raise usage_error(f"--cluster {source}: no such file", _choices())
+    info = json.loads(path.read_text())
+    if "cluster" in info:
+        cluster = ipp.Cluster.from_file(str(path), log_level=50)
+        if cluster.controller is None:   # ipyparallel found its process gone
+            raise usage_error(f"--cluster {source}: that cluster's controller is gone (not running)", _choices())
+        return cluster, cluster.connect_client_sync
+    _check_answers(source, info)
+    return None, lambda: ipp.Client(str(path), timeout=10)
+
+
+def _by_profile(ipp, source: str):
+    """The cluster running in profile ``source``. ipyparallel writes a cluster file for each cluster it
+    starts there (``ipcluster start``'s id is "", ``ipp.Cluster()``'s a random one, so its client file is
+    not ``ipcontroller-client.json``); a controller started by hand writes only the client file."""
+    import json
+    from pathlib import Path
+
+    from IPython.core.profiledir import ProfileDir, ProfileDirError
+    from IPython.paths import get_ipython_dir
+    try:
+        profile_dir = ProfileDir.find_profile_dir_by_name(get_ipython_dir(), source).location
+    except ProfileDirError:
+        raise usage_error(f"--cluster {source}: no ipyparallel cluster reachable there (no profile {source!r} "
+                          f"in {get_ipython_dir()})", _choices()) from None
+    running = _running_clusters(ipp, profile_dir)
+    if len(running) == 1:
+        return running[0], running[0].connect_client_sync
+    if len(running) > 1:
+        files = [c.cluster_file for c in running]
+        raise usage_error(f"--cluster {source}: {len(running)} clusters run in profile {source!r}; name one by its "
+                          "cluster file", [f"--cluster {f}" for f in files])
+    client_file = Path(profile_dir) / "security" / "ipcontroller-client.json"
+    if not client_file.is_file():   # (ipyparallel's Client would wait for one to appear)
+        raise usage_error(f"--cluster {source}: no cluster is running in profile {source!r} ({profile_dir})",
+                          _choices())
+    _check_answers(source, json.loads(client_file.read_text()))
+    return None, lambda: ipp.Client(profile=source, timeout=10)
+
+
+def _running_clusters(ipp, profile_dir: str) -> list:
+    """The clusters whose controller runs, of the cluster files in ``profile_dir`` (ipyparallel removes a
+    stopped cluster's file; a killed kernel's stays, its controller gone)."""
+    import glob
+    import os
+    running = []
+    for path in sorted(glob.glob(os.path.join(profile_dir, "security", "cluster-*.json"))):
+        try:
+            cluster = ipp.Cluster.from_file(path, log_level=50)
+        except Exception:  # a file being written, or another version's: not a running cluster
+            logger.debug("reading the cluster file %s failed", path, exc_info=True)
+            continue
+        if cluster.controller is not None:
+            running.append(cluster)
+    return running
+
+
+def _check_answers(source: str, info: dict) -> None:
+    """``UsageError`` at once when nothing listens at a client file's registration address (a stale file:
+    ipyparallel's Client would wait its whole timeout). Tunnelled connections are left to the Client."""
+    import socket
+    if info.get("ssh") or not str(info.get("interface", "")).startswith("tcp://") or not info.get("registration"):
+        return
+    host = info["interface"].split("://", 1)[1]
+    host = "127.0.0.1" if host in ("*", "0.0.0.0") else host
+    try:
+        with socket.create_connection((host, int(info["registration"])), timeout=2.0):
+            return
+    except (OSError, ValueError):
+        raise usage_error(f"--cluster {source}: the ipyparallel controller is gone (nothing answers at "
+                          f"{host}:{info['registration']}); start the cluster again", _choices()) from None
 
 
 def _choices() -> list[str]:
@@ -117,7 +220,9 @@ def _replace(ranks: ClusterRanks | None) -> None:
 def start_cluster(engines: str = "local", n: int | None = None, profile: str | None = None) -> ClusterRanks:
     """Start a cluster (``ipp.Cluster(engines=..., n=...)``) and use it for ``--cluster`` cells."""
     ipp = _ipyparallel()
-    stop_cluster()
+    if n is not None and n < 1:
+        raise usage_error(f"%dataparallel cluster start -n {n}: a cluster needs at least one engine",
+                          ["-n 1", "-n 2", "no -n (ipyparallel's default: one engine per core)"])
     kwargs: dict = {"engines": engines, "log_level": 40}
     if n:
         kwargs["n"] = n
@@ -129,8 +234,10 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
         raise usage_error(f"%dataparallel cluster start --engines {engines}: {exc}",
                           ["--engines local", "--engines mpi", "--engines slurm", "--engines pbs", "--engines lsf",
                            "--engines ssh"]) from None
+    stop_cluster()   # (only once the new one's options are known good: a misspelling keeps the running one)
     from .. import session
-    client = cluster.start_and_connect_sync()
+    with _leaving_px_alone():
+        client = cluster.start_and_connect_sync()
     session.register_closer("cluster", stop_cluster)   # %unload_ext and exit stop it too
     global _watcher
     try:   # ... and a kernel that Jupyter ends before its exit hooks run (cluster_watch)
@@ -145,9 +252,9 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
     return _started
 
 
-def stop_cluster() -> bool:
+def stop_cluster() -> str:
     """Stop the cluster started here (its engines and controller) and forget the one in use. Returns
-    whether there was either."""
+    what was done, for the user ("" where there was neither)."""
     global _started
     ranks, started = _current, _started
     _started = None
@@ -162,35 +269,48 @@ def stop_cluster() -> bool:
     if _watcher is not None:
         _watcher.release()
         _watcher = None
-    return ranks is not None or started is not None
+    if started is not None:
+        return "the cluster was stopped"
+    if ranks is not None:
+        # not ours to stop: the notebook's ipp.Cluster, or ipcluster's, goes on serving its %px and clients
+        return (f"no longer uses {ranks.source}; it was not started here, so it keeps running (stop it where it "
+                "was started: cluster.stop_cluster_sync(), or ipcluster stop)")
+    return ""
 
 
 def form(ranks: ClusterRanks, nprocs: int | None, backend: str | None, timeout: float) -> ClusterRanks:
     """Make the engines ranks (once; again after a failure): ``UsageError`` before anything starts when
     there are too few, or they lack torch or gpumagic."""
-    if ranks.formed and all(r.alive for r in ranks.ranks) and (nprocs in (None, ranks.world_size)) \
-            and (backend in (None, ranks.backend)) and timeout == ranks.timeout:
-        return ranks
     client = ranks.client
-    if not ranks.controller_alive():
+    if not ranks.controller_alive():   # (checked every cell: before anything of it travels)
         raise usage_error(f"--cluster {ranks.source}: the ipyparallel controller is gone; the engines cannot be "
                           "reached", _choices())
-    gone = [r for r in ranks.ranks if not r.alive or r.engine not in client.ids]
+    registered = set(client.ids)
+    # The formed ranks serve while every one is registered and they are what the cell asks for: without
+    # --nprocs, every engine (not the last cell's --nprocs N, nor fewer than were added since).
+    if ranks.formed and all(r.alive and r.engine in registered for r in ranks.ranks) \
+            and (nprocs or len(registered)) == ranks.world_size \
+            and (backend in (None, ranks.backend)) and timeout == ranks.timeout:
+        return ranks
+    gone = [r for r in ranks.ranks if not r.alive or r.engine not in registered]
     if ranks.owned and gone:
         old = set(client.ids) | {r.engine for r in ranks.ranks}
         ranks.cluster.restart_engines_sync()       # engines stopped or dead after the last cell: new ones
         deadline = time.monotonic() + 600
         while len(set(client.ids) - old) < len(ranks.ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-    elif gone and nprocs is None and len(set(client.ids) - {r.engine for r in gone}) < len(ranks.ranks):
+    engines = sorted(set(client.ids) - {r.engine for r in gone})
+    if gone and not engines:
+        names = ", ".join(f"engine {r.engine} ({r.host})" for r in gone)
+        raise usage_error(f"--cluster {ranks.source}: the cluster has no engines left: {names} of the last cell's "
+                          "ranks are gone (stopped, or they died); start them again", _restart_choices())
+    if gone and nprocs is None and len(engines) < len(ranks.ranks):
         names = ", ".join(f"engine {r.engine} ({r.host})" for r in gone)
         raise usage_error(f"--cluster {ranks.source}: {names} of the last cell's ranks is gone (stopped, or it "
-                          f"died); start it again (ipcluster engines), or run on the "
-                          f"{len(ranks.ranks) - len(gone)} left with --nprocs", ["ipcluster engines", "--nprocs N"])
-    engines = sorted(set(client.ids) - {r.engine for r in gone})
+                          f"died); start it again, or run on the {len(engines)} left with --nprocs",
+                          [*_restart_choices(), "--nprocs N"])
     if not engines:
-        raise usage_error(f"--cluster {ranks.source}: the cluster has no engines", ["ipcluster engines -n 2",
-                                                                                   "%dataparallel cluster start -n 2"])
+        raise usage_error(f"--cluster {ranks.source}: the cluster has no engines", _restart_choices())
     if nprocs is not None and nprocs > len(engines):
         raise usage_error(f"--nprocs {nprocs}: the cluster ({ranks.source}) has {len(engines)} engine(s)",
                           [f"--nprocs {k}" for k in range(1, len(engines) + 1)])
@@ -202,6 +322,12 @@ def form(ranks: ClusterRanks, nprocs: int | None, backend: str | None, timeout: 
     _join(ranks)
     ranks.formed, ranks.held, ranks.fsdp_records = True, set(), None
     return ranks
+
+
+def _restart_choices() -> list[str]:
+    """How to start engines again: ipcluster's command, or the notebook's own ``ipp.Cluster``."""
+    return ["ipcluster engines -n N (a cluster ipcluster started)",
+            "cluster.start_engines_sync(n=N) (an ipp.Cluster the notebook started)"]
 
 
 def _describe(client, engines: list[int], source: str) -> dict:

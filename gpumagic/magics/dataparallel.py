@@ -17,7 +17,7 @@ from .args import oversubscribe, parse
 __all__ = ["DataParallelMagics", "pool_status"]
 
 _ACTIONS = ("status", "stop", "cluster")
-_CLUSTER_ACTIONS = ("start", "stop")
+_CLUSTER_ACTIONS = ("start", "stop", "status")
 
 
 def cluster_status(ranks) -> display.Rendered:
@@ -74,8 +74,8 @@ class DataParallelMagics(Magics):
     @magic_arguments()
     @argument("action", nargs="?", default=None,
               help="line form only: 'status' (the worker pool, or the cluster's ranks), 'stop' (end the worker "
-                   "processes), 'cluster start' / 'cluster stop' (an ipyparallel cluster whose engines are the "
-                   "ranks of --cluster cells)")
+                   "processes), 'cluster start' / 'cluster stop' / 'cluster status' (an ipyparallel cluster whose "
+                   "engines are the ranks of --cluster cells)")
     @argument("verb", nargs="?", default=None, help="after 'cluster': start or stop")
     @argument("--devices", default=None,
               help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
@@ -208,16 +208,21 @@ class DataParallelMagics(Magics):
                               f"top of a cell); %dataparallel {action} takes {takes}", _ACTIONS)
 
     def _cluster(self, args):
-        """``%dataparallel cluster start [--engines E] [-n N] [--profile P]`` and ``cluster stop``."""
+        """``%dataparallel cluster start [--engines E] [-n N] [--profile P]``, ``cluster stop``, and
+        ``cluster status`` (what ``%dataparallel status`` shows, where a user looks for it)."""
         from ..dataparallel import cluster_setup as cluster
         verb = args.verb
         if verb not in _CLUSTER_ACTIONS:
-            raise usage_error(f"%dataparallel cluster {verb or ''}: start or stop".replace("  ", " "),
-                              ["%dataparallel cluster start --engines local -n 2", "%dataparallel cluster stop"])
+            raise usage_error(f"%dataparallel cluster {verb or ''}: start, stop or status".replace("  ", " "),
+                              ["%dataparallel cluster start --engines local -n 2", "%dataparallel cluster stop",
+                               "%dataparallel status"])
+        if verb == "status":
+            args.action, args.verb = "status", None
+            return self._line(args)
         if verb == "stop":
             self._only(args, "cluster stop", set())
             stopped = cluster.stop_cluster()
-            display.note("%%dataparallel: the cluster was stopped" if stopped else "%%dataparallel: no cluster in use")
+            display.note(f"%%dataparallel: {stopped or 'no cluster in use'}")
             return None
         self._only(args, "cluster start", {"engines", "nprocs", "profile"})
         ranks = cluster.start_cluster(args.engines, args.nprocs, args.profile)
