@@ -18,6 +18,15 @@ from tests.dataparallel_helpers import dp_cell
 
 pytest.importorskip("tensorboard")
 
+
+@pytest.fixture(autouse=True)
+def _close_the_writer(shell):
+    """A writer's thread would outlive the test, and a later test's fork-safety check would see it."""
+    yield
+    writer = shell.user_ns.get("writer")
+    if writer is not None and hasattr(writer, "close"):
+        writer.close()
+
 SETUP = """
 import torch
 from torch import nn

@@ -373,7 +373,7 @@ def _launch_address(pool, plan: Plan) -> dict:
     return {"master_addr": address, "master_port": port, "run_id": f"gpumagic-{os.getpid()}-{pool.pids[0]}"}
 
 
-def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays) -> tuple[list, dict]:
+def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays | None = None) -> tuple[list, dict]:
     """Run the cell on every rank, showing output and progress; returns results and start times."""
     progress = Progress(pool.devices, shell)
     output = RankOutput(prefix=all_output)
@@ -391,7 +391,7 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays
             warn_in_cell(msg["text"], meta["filename"])
         elif msg.get("kind") == "note":
             note(msg["text"])
-        elif msg.get("kind") == "relay":
+        elif msg.get("kind") == "relay" and relays is not None:
             failed = relays.replay(msg)
             if failed:
                 note(failed)
