@@ -35,6 +35,10 @@ def test_start_method_is_fork_only_where_safe():
     assert choose_start_method(None, "cpu", False, safe, "darwin")[0] == "spawn"
     assert choose_start_method(None, "cuda:0", False, safe, "darwin")[0] == "spawn"
     assert choose_start_method("forkserver", "cuda:0", True, user, "linux") == ("forkserver", "requested")
+    # Of many, the newest three are named (what the notebook most likely just started), and the rest counted.
+    many = user + [_FakeThread(f"Thread-{n} (poll)", target=_poll) for n in (10, 11, 12, 13)]
+    why = choose_start_method(None, "cpu", False, many, "linux")[1]
+    assert "thread(s) 'Thread-13 (poll)', 'Thread-12 (poll)', 'Thread-11 (poll)' (and 2 more) are running" in why
     with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; "
                                          "valid choices: spawn"):
         choose_start_method("fork", "cuda:1", True, safe, "linux")

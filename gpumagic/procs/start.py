@@ -139,7 +139,9 @@ def choose_start_method(requested: str | None, device: str, cuda_initialized: bo
         return "spawn", "fork is not safe on this platform"
     unsafe = fork_unsafe_threads(threads)
     if unsafe:
-        names = ", ".join(repr(t.name) for t in unsafe[:3])
+        # the newest first: most likely what the notebook just started
+        names = ", ".join(repr(t.name) for t in unsafe[::-1][:3]) + (f" (and {len(unsafe) - 3} more)"
+                                                                     if len(unsafe) > 3 else "")
         return fresh, f"thread(s) {names} are running and could hold a lock across fork, so {how}"
     return "fork", "no CUDA in the kernel and no thread that could hold a lock across fork, so fork is safe and fastest"
 
