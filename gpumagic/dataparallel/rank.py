@@ -30,7 +30,7 @@ from ..procs.wire import unpack_namespace
 from .compile_settings import apply_compile_settings
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
-from .rank_saves import saving_once
+from .rank_files import writing_once
 from .rank_state import pack_state, rank0_state
 from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
@@ -130,7 +130,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
         try:
             # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
-            with refusing_frameworks(), saving_once(ctx.rank) if not fsdp else contextlib.nullcontext():
+            with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext():
                 value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:

@@ -1,8 +1,8 @@
-"""torch.save in a %%dataparallel cell writes rank 0's file once, whole (gpumagic.dataparallel.rank_saves).
+"""Files a %%dataparallel cell writes are rank 0's, written once (gpumagic.dataparallel.rank_files).
 
 Before, every rank saved the tutorial checkpoint to the same path: the file held whichever rank
 finished last (rank 1's loss beside the notebook's rank 0 values), and two writes at once could
-interleave.
+interleave; a log the loop appended to had each line once per rank.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from gpumagic.dataparallel.rank_saves import saving_once
+from gpumagic.dataparallel.rank_files import writing_once
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -67,12 +67,43 @@ def test_the_tutorials_checkpoint_is_rank_0s_and_each_rank_reads_its_own_save(sh
     assert _private_copies() == before                                # rank 1's copies went with the cell
 
 
+def test_a_log_the_loop_appends_to_has_each_line_once_and_each_rank_reads_its_own(shell, tmp_path):
+    log = tmp_path / "log.csv"
+    log.write_text("epoch,loss\n")                          # the header, from an earlier cell
+    run_cell(shell, SETUP + f"LOG = {str(log)!r}\nNOTE = {str(tmp_path / 'note.txt')!r}\n")
+    dp_cell(shell, "--nprocs 2", """
+import pathlib
+import torch.distributed as dist
+def log_line(epoch, loss):                                # a notebook function writes it too
+    with open(LOG, "a") as f:
+        f.write(f"{epoch},{loss:.4f}\\n")
+for epoch in range(3):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    log_line(epoch, loss.item())
+pathlib.Path(NOTE).write_text(f"rank {dist.get_rank()}")
+lines = [None, None]
+dist.all_gather_object(lines, (len(open(LOG).read().splitlines()), pathlib.Path(NOTE).read_text()))
+""")
+    ns = shell.user_ns
+    assert log.read_text().splitlines()[0] == "epoch,loss" and len(log.read_text().splitlines()) == 4
+    assert log.read_text().splitlines()[-1] == f"2,{ns['loss'].item():.4f}"     # rank 0's, as the notebook holds
+    assert (tmp_path / "note.txt").read_text() == "rank 0"
+    # each rank read back what it wrote (rank 1's copy began from the file as it first appended to it,
+    # which may hold a line rank 0 had appended by then)
+    assert ns["lines"][0] == (4, "rank 0") and ns["lines"][1][0] >= 4 and ns["lines"][1][1] == "rank 1"
+    assert sorted(os.listdir(tmp_path)) == ["log.csv", "note.txt"]
+
+
 def test_another_ranks_saves_stay_private_and_go_with_the_cell(tmp_path):
     target = tmp_path / "model.pt"
     buffer = io.BytesIO()
     save, load = torch.save, torch.load
     before = _private_copies()
-    with saving_once(rank=1):
+    with writing_once(rank=1):
         torch.save({"w": 1}, target)
         torch.save({"w": 2}, str(target))                   # the same path, spelled otherwise
         torch.save({"in": "memory"}, buffer)                # buffers and open files are untouched
@@ -86,7 +117,7 @@ def test_another_ranks_saves_stay_private_and_go_with_the_cell(tmp_path):
 
 def test_rank_0_writes_whole_or_not_at_all(tmp_path):
     target = tmp_path / "model.pt"
-    with saving_once(rank=0):
+    with writing_once(rank=0):
         torch.save({"w": 1}, target)
         with pytest.raises(TypeError, match="cannot pickle"):
             torch.save({"lock": threading.Lock()}, target)   # cannot be pickled: the old file stays
