@@ -70,7 +70,8 @@ def test_the_tutorials_checkpoint_is_rank_0s_and_each_rank_reads_its_own_save(sh
 def test_a_log_the_loop_appends_to_has_each_line_once_and_each_rank_reads_its_own(shell, tmp_path):
     log = tmp_path / "log.csv"
     log.write_text("epoch,loss\n")                          # the header, from an earlier cell
-    run_cell(shell, SETUP + f"LOG = {str(log)!r}\nNOTE = {str(tmp_path / 'note.txt')!r}\n")
+    run_cell(shell, SETUP + f"LOG = {str(log)!r}\nNOTE = {str(tmp_path / 'note.txt')!r}\n"
+                            f"ARRAY = {str(tmp_path / 'array.npy')!r}\n")
     dp_cell(shell, "--nprocs 2", """
 import pathlib
 import torch.distributed as dist
@@ -85,6 +86,8 @@ for epoch in range(3):
         opt.step()
     log_line(epoch, loss.item())
 pathlib.Path(NOTE).write_text(f"rank {dist.get_rank()}")
+import numpy as np
+np.save(ARRAY, np.full(3, dist.get_rank()))              # a data writer the cell calls
 lines = [None, None]
 dist.all_gather_object(lines, (len(open(LOG).read().splitlines()), pathlib.Path(NOTE).read_text()))
 """)
@@ -95,7 +98,8 @@ dist.all_gather_object(lines, (len(open(LOG).read().splitlines()), pathlib.Path(
     # each rank read back what it wrote (rank 1's copy began from the file as it first appended to it,
     # which may hold a line rank 0 had appended by then)
     assert ns["lines"][0] == (4, "rank 0") and ns["lines"][1][0] >= 4 and ns["lines"][1][1] == "rank 1"
-    assert sorted(os.listdir(tmp_path)) == ["log.csv", "note.txt"]
+    assert __import__("numpy").load(tmp_path / "array.npy").tolist() == [0, 0, 0]
+    assert sorted(os.listdir(tmp_path)) == ["array.npy", "log.csv", "note.txt"]
 
 
 def test_another_ranks_saves_stay_private_and_go_with_the_cell(tmp_path):

@@ -11,9 +11,10 @@ reads of the same path read back (a cell that reloads its best checkpoint behave
 process), removed with the cell; a copy appended to starts from the file as that rank first opens
 it.
 
-Only ``open()`` calls made by the notebook's own code (the cell, functions defined in the notebook,
-``pathlib``'s methods called from them) are redirected: a library's files (a compiler's cache, a
-framework's) are its own business on each rank.
+Only ``open()`` calls made for the notebook's own code are redirected: by the cell or functions
+defined in the notebook, or by the data writers they call (``pathlib``'s ``write_text``,
+``np.save``, ``df.to_csv``, ``fig.savefig``). A library's own files (a compiler's cache, a
+framework's) are its business on each rank.
 
 Runs in the workers: no IPython.
 
@@ -112,15 +113,18 @@ def writing_once(rank: int):
             shutil.rmtree(private, ignore_errors=True)
 
 
+# Packages that write the data a notebook asks them to (a path it gives them), not files of their own.
+_DATA_WRITERS = frozenset({"pathlib", "numpy", "pandas", "matplotlib", "PIL", "csv", "json", "pickle"})
+
+
 def _from_notebook(frame) -> bool:
-    """Whether the notebook's code made this call: directly, or through ``pathlib``'s methods."""
-    for _ in range(3):
+    """Whether the notebook's code made this call: directly, or through a data writer it called."""
+    for _ in range(24):
         if frame is None:
             return False
-        name = frame.f_code.co_filename
-        if is_cell(name):
+        if is_cell(frame.f_code.co_filename):
             return True
-        if frame.f_globals.get("__name__", "").split(".")[0] != "pathlib":
+        if frame.f_globals.get("__name__", "").split(".")[0] not in _DATA_WRITERS:
             return False
         frame = frame.f_back
     return False
