@@ -11,13 +11,14 @@ import io
 import os
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
 
 from gpumagic.dataparallel.rank_files import writing_once
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import dp_cell, dp_pool
 
 SETUP = """
 import torch
@@ -126,3 +127,63 @@ def test_rank_0_writes_whole_or_not_at_all(tmp_path):
         with pytest.raises(TypeError, match="cannot pickle"):
             torch.save({"lock": threading.Lock()}, target)   # cannot be pickled: the old file stays
     assert torch.load(target) == {"w": 1} and os.listdir(tmp_path) == ["model.pt"]
+
+
+@pytest.mark.parametrize("write, error", [
+    ("torch.save({'w': 1}, NOWHERE + '/ckpt.pt')", "RuntimeError"),     # a directory the cell did not make
+    ("open(NOWHERE + '/log.txt', 'w')", "FileNotFoundError"),
+    ("open(THERE, 'x')", "FileExistsError"),                          # 'x' of a file from an earlier cell
+    ("open(HERE, 'w')", "IsADirectoryError"),
+])
+def test_a_write_that_fails_on_rank_0_fails_alike_on_every_rank_and_the_pool_stays(shell, tmp_path, write, error):
+    """Rank 0's write of the real file failed while rank 1 wrote its private copy and went on: the
+    failures differed, so the pool was ended (the next cell started it again)."""
+    (tmp_path / "there.txt").write_text("old")
+    time.sleep(0.05)                                        # (an earlier cell's: its time is before this one's)
+    run_cell(shell, SETUP + f"NOWHERE = {str(tmp_path / 'nowhere')!r}\nTHERE = {str(tmp_path / 'there.txt')!r}\n"
+                            f"HERE = {str(tmp_path)!r}\n")
+    dp_cell(shell, "--nprocs 2", "for x, y in loader: model(x)\n")
+    pids = dp_pool().pids
+    with pytest.raises(Exception) as raised:
+        dp_cell(shell, "--nprocs 2", "for x, y in loader: model(x)\n" + write + "\n")
+    assert type(raised.value).__name__ == "WorkerError" and error in str(raised.value)
+    assert dp_pool() is not None and dp_pool().alive and dp_pool().pids == pids
+    assert (tmp_path / "there.txt").read_text() == "old" and not (tmp_path / "nowhere").exists()
+
+
+def test_another_rank_creates_its_copy_of_a_file_rank_0_made_in_the_cell(tmp_path):
+    """``open(path, 'x')`` of a file that did not exist as the cell began: rank 0 makes it; rank 1 must not
+    find rank 0's file there and fail (on one process it would not exist yet)."""
+    target = tmp_path / "new.txt"
+    code = compile(f"with open({str(target)!r}, 'x') as f: f.write('rank 1')\n", "<cell-x>", "exec")
+    with writing_once(rank=1):
+        time.sleep(0.06)                                    # rank 0 was quicker
+        target.write_text("rank 0")
+        exec(code, {})
+    assert target.read_text() == "rank 0"
+
+
+def test_rank_0_saves_through_a_link_to_the_file_it_points_to(tmp_path):
+    """The save under a temporary name, renamed, replaced the link (or a device: as root, /dev/null)."""
+    (tmp_path / "store").mkdir()
+    link = tmp_path / "latest.pt"
+    link.symlink_to(tmp_path / "store" / "run1.pt")
+    pipe = tmp_path / "pipe"                                # not a file (a stand-in for /dev/null)
+    os.mkfifo(pipe)
+    read: list = []
+    reader = threading.Thread(target=lambda: read.append(pipe.read_bytes()), daemon=True)
+    reader.start()
+    with writing_once(rank=0):
+        torch.save({"w": 1}, link)
+        torch.save({"w": 2}, pipe)                          # written into, not replaced by a file
+    reader.join(10)
+    assert link.is_symlink() and torch.load(tmp_path / "store" / "run1.pt") == {"w": 1}
+    assert not pipe.is_file() and torch.load(io.BytesIO(read[0])) == {"w": 2}
+
+
+def test_a_cell_that_writes_nothing_makes_no_private_directory():
+    """A rank killed mid-cell (an interrupt, another rank's failure) cannot remove its directory: one was
+    left in the temporary directory by every such cell, writing or not."""
+    before = _private_copies()
+    with writing_once(rank=1):
+        assert _private_copies() == before

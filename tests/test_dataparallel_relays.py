@@ -104,16 +104,22 @@ for x, y in loader:
 def test_a_relay_stands_for_each_logger_once_and_other_ranks_send_nothing():
     class SummaryWriter:                                    # the tutorial's class, by name and module
         def __init__(self):
-            self.log_dir, self._hidden = "runs/x", object()
+            self.log_dir, self._hidden, self.file_writer = "runs/x", object(), object()
     SummaryWriter.__module__ = "torch.utils.tensorboard.writer"
     writer, relays = SummaryWriter(), Relays()
     assert relays.stand_in_for(writer) == relays.stand_in_for(writer) == ("relay", 0)
     assert relays.stand_in_for(object()) is None
-    assert relays.found == {0: ("SummaryWriter", {"log_dir": "runs/x"})}
+    assert relays.found == {0: ("SummaryWriter", {"log_dir": "runs/x"}, ["file_writer"])}
     sent: list = []
     quiet = CallRelay(0, "SummaryWriter", {"log_dir": "runs/x"}, sent.append, active=False)
     assert quiet.add_scalar("loss", 1.0, 0) is None and sent == []
     assert quiet.log_dir == "runs/x" and quiet.get_logdir() == "runs/x"
+    # an attribute that is no plain value stays in the kernel: said so, not a stand-in function
+    # (``writer.file_writer.flush()`` failed with "'function' object has no attribute 'flush'")
+    held = CallRelay(0, "SummaryWriter", {}, sent.append, active=True, held=["file_writer"])
+    with pytest.raises(AttributeError, match="SummaryWriter.file_writer stays in the kernel"):
+        held.file_writer.flush()
+    assert not hasattr(held, "file_writer") and sent == []
     loud = CallRelay(0, "SummaryWriter", {}, sent.append, active=True)
     loud.add_scalar("loss", 1.0, step=3)
     assert [(m["method"], pickle.loads(m["args"])) for m in sent] == [("add_scalar", (("loss", 1.0), {"step": 3}))]

@@ -8,10 +8,13 @@ ranks (a wrapper holding modules, a framework trainer) is named with the reason.
 """
 from __future__ import annotations
 
+import ast
+
 import numpy as np
 import pytest
 import torch
 
+from gpumagic.cell.names import attributes_assigned
 from gpumagic.dataparallel.returnable import attribute_snapshot, changed_attributes
 from gpumagic.procs.returning import NotReturnable, pickled_for_notebook
 from tests.conftest import run_cell
@@ -143,6 +146,35 @@ def test_a_del_that_does_not_run_leaves_the_name(shell):
     keep = shell.user_ns["keep"]
     dp_cell(shell, CPU2, LOOP + "if args.epochs > 5:\n    del keep\n")
     assert shell.user_ns["keep"] is keep
+
+
+def test_attributes_the_cell_deletes_are_deleted_in_the_notebook(shell):
+    """``del cfg.name`` (a namespace), ``del log.best`` (a notebook class's instance) and ``del
+    holder.cache`` (any object): the notebook's objects kept them, unlike after a plain cell."""
+    run_cell(shell, SETUP + """
+import types
+cfg = types.SimpleNamespace(name="run", optim=types.SimpleNamespace(lr=0.1, warmup=5))
+import string
+holder = string.Template("$x")                          # not a namespace, nor the notebook's class
+holder.cache = [1]
+log.best = 0.5
+""")
+    dp_cell(shell, CPU2, LOOP + """
+del cfg.name, cfg.optim.warmup
+del holder.cache
+if args.epochs > 5:
+    del cfg.optim.lr                                  # (does not run)
+log.best = None
+del log.best
+""")
+    ns = shell.user_ns
+    assert not hasattr(ns["cfg"], "name") and vars(ns["cfg"].optim) == {"lr": 0.1}
+    assert not hasattr(ns["holder"], "cache") and not hasattr(ns["log"], "best")
+
+
+def test_attributes_a_cell_deletes_are_named_with_the_object_they_leave():
+    tree = ast.parse("del cfg.name, a.b.c\ndel d[k].x\nargs.lr = 1\n")
+    assert attributes_assigned(tree) == {"cfg": ["name"], "a.b": ["c"], "args": ["lr"]}
 
 
 # --- the pieces, in one process ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from gpumagic.procs.follow_kernel import KernelView, follow
+from gpumagic.procs.follow_kernel import KernelView, follow, where_now
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -96,3 +96,30 @@ def test_a_view_sends_what_changed_and_keeps_a_workers_own_variables(monkeypatch
     assert os.getcwd() == str(tmp_path)                     # a directory removed since: the worker stays
     assert os.environ.get("GPUMAGIC_TEST_C") == "3" and "GPUMAGIC_TEST_B" not in os.environ
     monkeypatch.delenv("GPUMAGIC_TEST_C")
+
+
+def test_a_directory_removed_under_the_kernel_or_a_worker_is_left_behind(monkeypatch, tmp_path):
+    gone, home = tmp_path / "gone", tmp_path / "home"
+    gone.mkdir()
+    home.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()                                            # the kernel's own directory, removed
+    assert where_now()["cwd"] is None                        # the cell still runs, as a plain one would
+    follow({"cwd": None, "path": None})                     # a worker there stays where it is
+    follow({"cwd": str(home), "path": None})                # a worker whose directory was removed moves on
+    assert os.getcwd() == str(home)
+
+
+def test_the_pool_survives_a_directory_it_followed_being_removed(shell, tmp_path, monkeypatch):
+    """``%cd scratch``, a cell, ``%cd ..`` and ``rm -r scratch``: the ranks, still in scratch, used to die
+    asking where they were (WorkerDied, and a new pool)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.chdir(scratch)
+    run_cell(shell, SETUP)
+    dp_cell(shell, "--nprocs 2", "first = os.getcwd()\nfor (x,) in loader: model(x)\n")
+    assert shell.user_ns["first"] == str(scratch)
+    monkeypatch.chdir(tmp_path)
+    scratch.rmdir()
+    dp_cell(shell, "--nprocs 2", "second = os.getcwd()\nfor (x,) in loader: model(x)\n")
+    assert shell.user_ns["second"] == str(tmp_path)

@@ -238,12 +238,13 @@ def _block(stmts, bound: set, reads: dict) -> None:
 
 
 def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:
-    """``{path: [attribute, ...]}`` for what the cell sets on an object it reaches from a name, anywhere
-    in the cell: ``args.epochs = 1`` and ``state.count += 1`` give ``{"args": ["epochs"], "state":
-    ["count"]}``; ``cfg.optim.lr = 0.1`` gives ``{"cfg.optim": ["lr"]}``."""
+    """``{path: [attribute, ...]}`` for what the cell sets or deletes on an object it reaches from a name,
+    anywhere in the cell: ``args.epochs = 1`` and ``state.count += 1`` give ``{"args": ["epochs"], "state":
+    ["count"]}``; ``cfg.optim.lr = 0.1`` gives ``{"cfg.optim": ["lr"]}``, and ``del cfg.name``
+    ``{"cfg": ["name"]}``."""
     found: dict[str, dict[str, None]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
             chain = attribute_chain(node.value)
             if chain is not None:
                 found.setdefault(".".join(chain), {})[node.attr] = None

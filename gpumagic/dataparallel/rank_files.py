@@ -38,6 +38,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 from ..cell.compile import is_cell
 
@@ -56,16 +57,22 @@ def writing_once(rank: int):
     buffers are untouched."""
     import torch
     save, load, open_ = torch.save, torch.load, builtins.open
-    private = tempfile.mkdtemp(prefix=f"gpumagic-rank{rank}-") if rank != 0 else None
+    other = rank != 0
+    # Made at the first private write: a rank killed mid-cell (an interrupt) leaves no directory behind
+    # for the cells that write nothing, most of them.
+    private: list[str] = []
     copies: dict[str, str] = {}   # real path -> this rank's copy
+    started = time.time_ns()
 
     def copy_of(f, writing: bool, keep_contents: bool = False) -> str | None:
         """This rank's copy of path ``f`` (made when ``writing``, from the real file's contents when
         ``keep_contents``), or None where it has none."""
         path = os.path.abspath(os.fspath(f))
         copy = copies.get(path)
-        if copy is None and writing and private is not None:
-            copy = copies[path] = os.path.join(private, str(len(copies)))
+        if copy is None and writing and other:
+            if not private:
+                private.append(tempfile.mkdtemp(prefix=f"gpumagic-rank{rank}-"))
+            copy = copies[path] = os.path.join(private[0], str(len(copies)))
             if keep_contents and os.path.isfile(path):
                 shutil.copyfile(path, copy)
         return copy
@@ -74,9 +81,15 @@ def writing_once(rank: int):
     def rank_save(obj, f, *args, **kwargs):
         if not isinstance(f, (str, os.PathLike)):
             return save(obj, f, *args, **kwargs)
-        if private is not None:
+        if other:
+            if _fails_at_once(f, "w", copies, started):   # as rank 0's will: the ranks fail alike, none waits
+                return save(obj, f, *args, **kwargs)
             return save(obj, copy_of(f, writing=True), *args, **kwargs)
-        path = os.path.abspath(os.fspath(f))
+        # Through a link, the file it points to (a plain save writes there; a rename would replace the
+        # link); a device or a pipe (``/dev/null``) is written as it is, never replaced.
+        path = os.path.realpath(os.fspath(f))
+        if os.path.exists(path) and not os.path.isfile(path):
+            return save(obj, f, *args, **kwargs)
         # A name beside the target, so the rename stays on one file system (and is atomic).
         partial = f"{path}.{os.getpid()}.partial"
         try:
@@ -97,11 +110,12 @@ def writing_once(rank: int):
     def rank_open(file, mode="r", *args, **kwargs):
         if isinstance(file, (str, os.PathLike)) and _from_notebook(sys._getframe(1)):
             writing = bool(_WRITES & set(mode))
-            file = copy_of(file, writing, keep_contents="a" in mode or "+" in mode) or file
+            if not (writing and other and _fails_at_once(file, mode, copies, started)):
+                file = copy_of(file, writing, keep_contents="a" in mode or "+" in mode) or file
         return open_(file, mode, *args, **kwargs)
 
     torch.save = rank_save
-    if private is not None:
+    if other:
         torch.load = rank_load
         builtins.open = io.open = rank_open
     try:
@@ -109,8 +123,32 @@ def writing_once(rank: int):
     finally:
         torch.save, torch.load = save, load
         builtins.open = io.open = open_
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
+        for directory in private:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _fails_at_once(f, mode: str, copies: dict, started: int) -> bool:
+    """Whether writing the real path ``f`` fails before anything is written: its directory is missing,
+    it is a directory, or ``"x"`` finds a file that was there before the cell. Rank 0's write then
+    raises; another rank, which would have written a private copy and gone on (to wait in the next
+    collective for rank 0, and the pool would be ended), makes the same call on the real path and
+    raises the same error. (A file rank 0 made during the cell is no reason: on one process it
+    would not exist yet. ``started`` is when this rank's cell began, in ns, with a margin for the
+    file system's coarser clock.)"""
+    path = os.path.abspath(os.fspath(f))
+    if path in copies:   # this rank wrote it already: its own copy decides, as rank 0's file does there
+        return False
+    if not os.path.isdir(os.path.dirname(path)) or os.path.isdir(path):
+        return True
+    if "x" not in mode:
+        return False
+    try:
+        return os.lstat(path).st_ctime_ns < started - _CLOCK_MARGIN
+    except OSError:
+        return False
+
+
+_CLOCK_MARGIN = 20_000_000   # ns: a few ticks of the coarse clock file times are read from
 
 
 # Packages that write the data a notebook asks them to (a path it gives them), not files of their own.

@@ -18,7 +18,7 @@ from ..cell.values import is_plain_value, same_tuple_type
 from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.wire import pack
 from .results import NotebookName
-from .returnable import changed_attributes
+from .returnable import changed_attributes, deleted_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             else:
                 _add_object(state, n, v)
     state["attributes"], dropped = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    # ``del cfg.name``: deleted on the notebook's object too, as a plain cell would
+    state["attributes_deleted"] = deleted_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
     state["not_returned"] += dropped
     return state
 

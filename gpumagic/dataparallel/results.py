@@ -164,6 +164,11 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             if not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
+    for name, attrs in (state.get("attributes_deleted") or {}).items():   # ``del cfg.name``
+        target = follow_path(ns, name)
+        for attr in attrs:
+            if attr in getattr(target, "__dict__", {}):
+                delattr(target, attr)
     for name in state.get("deleted") or []:   # unbound by the cell's ``del``, as after a plain cell
         ns.pop(name, None)
     made = []

@@ -11,7 +11,8 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
   deeper, ``cfg.optim.lr = 0.1``; on instances of classes defined in the notebook and on namespaces
   (``argparse.Namespace``, ``SimpleNamespace``), and on such objects they hold, any public attribute
   that changed, as a callback appending to ``self.losses`` or a notebook function setting
-  ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell;
+  ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell,
+  and those the cell deleted (``del cfg.name``) are deleted there;
 * **names bound to the notebook's own objects** (``alias = args``): bound to the same object.
 
 In a notebook::
@@ -27,7 +28,8 @@ import copy
 
 from ..cell.values import equal_values, is_plain_value
 
-__all__ = ["attribute_snapshot", "changed_attributes", "is_watched", "watched_paths", "follow_path", "WATCHED_ITEMS"]
+__all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
+           "follow_path", "WATCHED_ITEMS"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
@@ -111,6 +113,20 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
             else:
                 dropped.append(f"{name}.{k} (not a plain value)")
     return changed, dropped
+
+
+def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str, list[str]]:
+    """After the cell: ``{name: [attr, ...]}`` that the cell deleted (``del cfg.name``): those it names in a
+    ``del`` (in ``snapshot``'s copies) and the public ones of ``watched`` objects, gone since ``snapshot``."""
+    gone: dict[str, list[str]] = {}
+    for name, (before, present) in snapshot.items():
+        attrs = getattr(follow_path(ns, name), "__dict__", None)
+        if not isinstance(attrs, dict):
+            continue
+        missing = [k for k in present if k not in attrs and (k in before or name in watched and not k.startswith("_"))]
+        if missing:
+            gone[name] = missing
+    return gone
 
 
 class _Held:

@@ -33,8 +33,16 @@ OWN = frozenset({"CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LO
 
 
 def where_now() -> dict:
-    """The kernel's directory and ``sys.path`` (what a worker started from a fork server lacks)."""
-    return {"cwd": os.getcwd(), "path": list(sys.path)}
+    """The kernel's directory and ``sys.path`` (what a worker started from a fork server lacks); the
+    directory is None where it was removed since the kernel went there (a plain cell runs on)."""
+    return {"cwd": _getcwd(), "path": list(sys.path)}
+
+
+def _getcwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:   # the directory was removed (``%cd tmp``, then ``rm -r tmp`` from elsewhere)
+        return None
 
 
 class KernelView:
@@ -56,7 +64,8 @@ class KernelView:
 def follow(changes: dict) -> None:
     """Take the kernel's directory, path and environment changes (:meth:`KernelView.changes`)."""
     cwd = changes.get("cwd")
-    if cwd and cwd != os.getcwd():
+    # (the worker's own directory may be gone: the kernel went there, then left and removed it)
+    if cwd and cwd != _getcwd():
         try:
             os.chdir(cwd)
         except OSError:   # (removed since): the worker stays where it is, as the kernel's cell would fail there

@@ -58,8 +58,10 @@ class Relays:
             if known is obj:
                 return ("relay", i)
         self.objects.append(obj)
-        attrs = {k: v for k, v in vars(obj).items() if not k.startswith("_") and is_plain_value(v)}
-        self.found[len(self.objects) - 1] = (type(obj).__name__, attrs)
+        public = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+        attrs = {k: v for k, v in public.items() if is_plain_value(v)}
+        # The others (``writer.file_writer``) cannot be read on a rank: named there, not called
+        self.found[len(self.objects) - 1] = (type(obj).__name__, attrs, [k for k in public if k not in attrs])
         return ("relay", len(self.objects) - 1)
 
     def replay(self, msg: dict) -> str | None:
@@ -78,18 +80,26 @@ class Relays:
         return None
 
 
+_FIELDS = frozenset({"_index", "_kind", "_attrs", "_send", "_active", "_held", "_refused"})
+
+
 class CallRelay:
     """Rank side: stands for one of the notebook's loggers (see the module's docstring)."""
 
-    def __init__(self, index: int, kind: str, attrs: dict, send, active: bool):
+    def __init__(self, index: int, kind: str, attrs: dict, send, active: bool, held=()):
         self._index, self._kind, self._attrs, self._send, self._active = index, kind, attrs, send, active
+        self._held = frozenset(held)   # the notebook's logger's other attributes: not here
         self._refused: set[str] = set()
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        # (its own fields are asked for here only before __init__ set them: a copy being made)
+        if name.startswith("__") or name in _FIELDS:
             raise AttributeError(name)
         if name in self._attrs:
             return self._attrs[name]
+        if name in self._held:
+            raise AttributeError(f"{self._kind}.{name} stays in the kernel with the notebook's {self._kind}, "
+                                 "which only its calls reach from here; read it in a plain cell")
         if name in ANSWERS:
             return lambda *args, **kwargs: self._attrs.get(ANSWERS[name])
         return lambda *args, **kwargs: self._call(name, args, kwargs)
@@ -121,4 +131,4 @@ class CallRelay:
 def rank_relays(found: dict, send, active: bool) -> dict:
     """Stand-ins for :func:`~gpumagic.procs.wire.unpack`: a :class:`CallRelay` per logger the kernel found,
     sending calls where ``active`` (rank 0 of a ``%%dataparallel`` cell; every ``%%sharedtrain`` worker)."""
-    return {("relay", i): CallRelay(i, kind, attrs, send, active) for i, (kind, attrs) in found.items()}
+    return {("relay", i): CallRelay(i, kind, attrs, send, active, *held) for i, (kind, attrs, *held) in found.items()}
