@@ -21,6 +21,7 @@ import logging
 import time
 
 from ..cell.compile import register_source
+from ..cell.main_module import main_is_cell
 from ..cell.placement_workers import bind_placement
 from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.relays import rank_relays
@@ -30,6 +31,7 @@ from ..procs.wire import unpack_namespace
 from .compile_settings import apply_compile_settings
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
+from .rank_exports import exporting_once
 from .rank_files import writing_once
 from .rank_state import pack_state, rank0_state
 from .returnable import attribute_snapshot
@@ -130,7 +132,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
         try:
             # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
-            with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext():
+            with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext(), \
+                    exporting_once(ctx.rank):
                 value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:
@@ -319,8 +322,9 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     handle = register_optimizer_step_post_hook(on_step)
     ctx.send({"kind": "started", "t": t_start})
     try:
-        exec(body, ns)
-        value = eval(last_expr, ns) if last_expr is not None else None
+        with main_is_cell(ns):   # the notebook's classes pickle as __main__.X (torch.save(model, PATH))
+            exec(body, ns)
+            value = eval(last_expr, ns) if last_expr is not None else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:

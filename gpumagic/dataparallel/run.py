@@ -35,7 +35,6 @@ from ..cell.definitions import define_in_notebook
 from ..cell.names import (
     attributes_assigned,
     calls_assigned,
-    loop_targets,
     names_assigned,
     names_deleted,
     names_tree,
@@ -44,6 +43,7 @@ from ..cell.names import (
 )
 from ..cell.placement_workers import rewrite_for_cpu_workers
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
+from ..cell.with_targets import quiet_targets
 from ..display import note
 from ..errors import usage_error
 from ..procs.output import RankOutput
@@ -307,7 +307,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "stateful": survey.stateful, "device_strings": survey.device_strings,
         "return_names": survey.return_names, "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
         "watched": survey.watched, "set_attributes": survey.set_attributes,
-        "loop_targets": loop_targets(compiled.tree),
+        "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
         "launch": _launch_address(pool, plan) if launch else None,

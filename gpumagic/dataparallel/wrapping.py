@@ -10,6 +10,7 @@ Runs in the workers: no IPython.
 from __future__ import annotations
 
 import ast
+import operator
 import re
 
 __all__ = ["cell_ddp_class", "wrap_in_ddp", "user_module", "RankDevice", "CUDA_STRING", "GRAD_DTYPES",
@@ -106,6 +107,14 @@ def _make_cell_ddp():
             for step in after:
                 step(self)
             self.__dict__.update(_gpumagic_kwargs=kwargs, _gpumagic_after_build=after, _gpumagic_built=True)
+
+        def __reduce_ex__(self, protocol):
+            # torch.save(model, PATH) (the recipes' "save the entire model"), copy.deepcopy(model) and
+            # pickle give the module the user wrote, as in a plain cell: this class is local to the rank
+            # and bound to its process group, so pickling it failed and a copy would be a second DDP.
+            # (The wrapped module is the argument of a stdlib callable that returns it: pickle refuses a
+            # reduction that rebuilds an object of another class, and the file must not need gpumagic.)
+            return operator.itemgetter(0), ((self.module,),)
 
         def state_dict(self, *args, **kwargs):
             return self.module.state_dict(*args, **kwargs)

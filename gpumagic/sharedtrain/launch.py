@@ -58,9 +58,10 @@ import torch
 from ..cell.compile import compile_cell, compile_plain, is_empty, refuse_shell_calls
 from ..cell.definitions import define_in_notebook, definitions
 from ..cell.module_settings import apply_settings
-from ..cell.names import loop_targets, names_assigned, names_tree, notebook_names, used_names
+from ..cell.names import names_assigned, names_tree, notebook_names, used_names
 from ..cell.placement_workers import rewrite_for_cpu_workers
 from ..cell.values import find_loaders, find_modules, find_optimizers
+from ..cell.with_targets import quiet_targets
 from ..errors import usage_error
 from ..procs import forkserver
 from ..procs.failures import primary_error
@@ -284,7 +285,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     # def, class and import statements run again in the kernel after the workers; other names stay there
     definable = [n for n in definitions(compiled.tree) if n in names_assigned(compiled.tree)]
     kept_in_workers = [n for n in names_assigned(compiled.tree)
-                       if n not in set(loop_targets(compiled.tree)) and n not in definable]
+                       if n not in set(quiet_targets(compiled.tree)) and n not in definable]
     if kept_in_workers:
         notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
                      "report(name=value) sends values back (sharedtrain.history)")

@@ -21,6 +21,7 @@ from types import CodeType
 import torch
 from torch.utils.data import DataLoader
 
+from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
 from ..procs.display_relay import relay_in
@@ -219,7 +220,8 @@ def train(ctx, meta: dict, data) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
     hook = register_optimizer_step_post_hook(channel.optimizer_step)
     try:
-        exec(code, ns)
+        with main_is_cell(ns):   # the notebook's classes pickle as __main__.X (torch.save(model, PATH))
+            exec(code, ns)
         if on_gpu:
             torch.cuda.synchronize()
         if rank == 0:   # what the cell set on the model besides its shared tensors (model.eval())
