@@ -143,3 +143,21 @@ writer.flush()
     files, scalars = _scalars(logdir)
     assert len(files) == 1
     assert {tag: [s for s, _ in points] for tag, points in scalars.items()} == {"loss/0": [0, 1], "loss/1": [0, 1]}
+
+
+def test_a_writer_the_cell_makes_logs_rank_0s_curve_only(shell, tmp_path):
+    """Made in the cell, each rank's writer would add an event file to the same folder: TensorBoard
+    then shows every step twice."""
+    logdir = str(tmp_path / "runs" / "in_cell")
+    run_cell(shell, SETUP.format(logdir=str(tmp_path / "notebook")) + f"LOGDIR = {logdir!r}\n")
+    dp_cell(shell, "--nprocs 2", """
+with SummaryWriter(LOGDIR) as own:
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad(); loss = ((model(x) - y) ** 2).mean(); loss.backward(); opt.step()
+        losses.append(loss.item())
+        own.add_scalar("loss", loss.item(), i)
+""")
+    files, scalars = _scalars(logdir)
+    assert len(files) == 1
+    assert [s for s, _ in scalars["loss"]] == [0, 1, 2, 3]
+    assert [v for _, v in scalars["loss"]] == pytest.approx(shell.user_ns["losses"], rel=1e-6)

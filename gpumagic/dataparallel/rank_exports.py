@@ -1,11 +1,14 @@
-"""Profiler traces a ``%%dataparallel`` cell exports: rank 0's, as a plain cell writes them.
+"""Profiler traces and TensorBoard logs a ``%%dataparallel`` cell writes: rank 0's, as a plain cell
+writes them.
 
 The profiler recipe ends with ``prof.export_chrome_trace("trace.json")``. torch writes that file
 from C++ (a ``trace.json.tmp`` renamed into place), not through Python's ``open()``, so the
 cell's file writes (:mod:`.rank_files`) never saw it: every rank wrote the same temporary name
 at once, one rank's rename found it gone (``Failed to rename trace.json.tmp``), and the notebook
 could be left with no trace, or another rank's. As with printing and ``torch.save``, rank 0's
-export is the cell's; the others' go to a private directory removed with the cell.
+export is the cell's; the others' go to a private directory removed with the cell. So do the
+event files of a ``SummaryWriter`` the cell makes (one per rank in the same folder, otherwise).
+(A writer made in the notebook is another matter: it stays in the kernel, :mod:`~gpumagic.procs.relays`.)
 
 Runs in the workers: no IPython.
 """
@@ -17,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+from ..procs.import_patches import patch_module
+
 __all__ = ["exporting_once"]
 
 # (module, class, method) whose first argument after self is the path the notebook asked for
@@ -27,35 +32,73 @@ _EXPORTS = (("torch.profiler.profiler", "_KinetoProfile", "export_chrome_trace")
             ("torch.autograd.profiler", "profile", "export_stacks"))
 
 
+# TensorBoard's writers, made in the cell, each start a log directory's event file of their own
+_WRITERS = ("torch.utils.tensorboard.writer", "tensorboardX.writer")
+_private: list = []   # while a cell runs on a rank other than 0: [the directory, made at first use]
+
+
 @contextlib.contextmanager
 def exporting_once(rank: int):
-    """While the cell runs, on ranks other than 0, the profiler's exports write into a private
-    directory (each path its own file there) instead of the path given."""
+    """While the cell runs, on ranks other than 0, the profiler's exports and the TensorBoard
+    writers the cell makes write into a private directory instead of the path given."""
     if rank == 0:
         yield
         return
     import importlib
-    private = tempfile.mkdtemp(prefix=f"gpumagic-rank{rank}-traces-")
+    _private[:] = [None]
     saved = []
     for module_name, class_name, method in _EXPORTS:
         cls = getattr(importlib.import_module(module_name), class_name, None)
         original = getattr(cls, method, None) if cls is not None else None
         if original is not None:
             saved.append((cls, method, original))
-            setattr(cls, method, _redirected(original, private))
+            setattr(cls, method, _redirected(original))
+    for name in _WRITERS:   # (now if imported, else as it is: inert outside a cell)
+        patch_module(name, _private_writer)
     try:
         yield
     finally:
         for cls, method, original in saved:
             setattr(cls, method, original)
-        shutil.rmtree(private, ignore_errors=True)
+        directory = _private[0] if _private else None
+        _private.clear()
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
-def _redirected(export, private: str):
+def _private_dir() -> str:
+    """This rank's directory for the cell's exports, made at the first one (a rank killed mid-cell
+    leaves none behind for the cells that export nothing)."""
+    if _private[0] is None:
+        _private[0] = tempfile.mkdtemp(prefix="gpumagic-rank-exports-")
+    return _private[0]
+
+
+def _redirected(export):
     @functools.wraps(export)
     def call(self, path, *args, **kwargs):
         if isinstance(path, (str, os.PathLike)):
             # the same name (its suffix tells torch to gzip, say), in this rank's own directory
-            path = os.path.join(private, os.path.basename(os.fspath(path)) or "trace")
+            path = os.path.join(_private_dir(), os.path.basename(os.fspath(path)) or "trace")
         return export(self, path, *args, **kwargs)
     return call
+
+
+def _private_writer(module) -> None:
+    """``SummaryWriter(log_dir)`` made in a cell on a rank other than 0 logs into the rank's private
+    directory: TensorBoard would show a second curve (or twice the points) from the same folder."""
+    cls = getattr(module, "SummaryWriter", None)
+    if cls is None or getattr(cls.__init__, "_rank_zero_logs", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def init(self, log_dir=None, *args, **kwargs):
+        if log_dir is None:
+            log_dir = kwargs.pop("logdir", None)   # (tensorboardX's name for it)
+        if _private:
+            log_dir = os.path.join(_private_dir(), os.path.basename(os.fspath(log_dir)) if log_dir else "runs")
+        original(self, log_dir, *args, **kwargs)
+
+    init._rank_zero_logs = True   # type: ignore[attr-defined]
+    cls.__init__ = init
