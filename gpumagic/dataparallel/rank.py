@@ -28,6 +28,7 @@ from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
+from . import torch_settings
 from .compile_settings import apply_compile_settings
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
@@ -70,7 +71,7 @@ def rank_main(ctx, meta: dict, data):
 
 def _run_cell(ctx, meta: dict, data, store: TensorStore):
     device = ctx.torch_device
-    _apply_flags(meta["flags"])
+    _apply_flags(meta["flags"], device)
     fsdp = meta.get("fsdp")
     stand_ins = rank_relays(meta.get("relays") or {}, ctx.send, active=ctx.rank == 0)   # the notebook's loggers
     if fsdp:
@@ -350,15 +351,10 @@ def _shapes(module) -> dict:
     return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
 
 
-def _apply_flags(flags: dict) -> None:
-    """The kernel's matmul precision, cuDNN and torch.compile settings, which decide results as much as
-    the code."""
-    import torch
-    torch.set_float32_matmul_precision(flags.get("float32_matmul_precision", "highest"))
-    torch.backends.cudnn.benchmark = flags.get("cudnn_benchmark", False)
-    torch.backends.cudnn.deterministic = flags.get("cudnn_deterministic", False)
-    torch.backends.cudnn.allow_tf32 = flags.get("cudnn_allow_tf32", True)
-    torch.backends.cuda.matmul.allow_tf32 = flags.get("matmul_allow_tf32", False)
+def _apply_flags(flags: dict, device) -> None:
+    """The kernel's torch settings (matmul precision, cuDNN, default dtype and device, deterministic
+    algorithms...) and torch.compile's, which decide results as much as the code."""
+    torch_settings.apply({k: v for k, v in flags.items() if k != "compile_settings"}, device=device)
     apply_compile_settings(flags.get("compile_settings", {}))
 
 

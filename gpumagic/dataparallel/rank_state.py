@@ -19,6 +19,7 @@ from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.wire import pack
 from .results import NotebookName
 from .returnable import changed_attributes, deleted_attributes
+from .torch_settings import changed, current
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         "objects": {},      # other objects the cell assigned, pickled (returnable.py)
         "attributes": {},   # attributes of the notebook's objects the cell changed
         "assigned": meta["assigned"],
+        # torch's settings the cell changed (torch.set_default_dtype...): the kernel takes them
+        "torch_settings": changed({k: v for k, v in meta["flags"].items() if k != "compile_settings"}, current()),
         "deleted": [n for n in meta.get("deleted", []) if n not in ns],   # ``del tmp`` ran
         "not_returned": [],
         "made": {},

@@ -52,7 +52,7 @@ from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
 from ..procs.wire import Unshippable, pack_namespace
-from . import held
+from . import held, torch_settings
 from .compile_settings import notebook_compile_settings
 from .detect import choose_mode
 from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
@@ -203,13 +203,8 @@ def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
 
 
 def _backend_flags() -> dict:
-    import torch
-    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "compile_settings": notebook_compile_settings()}   # torch._dynamo.config and the like
+    """The kernel's torch settings (matmul precision, default dtype...) and torch.compile's config."""
+    return {**torch_settings.current(), "compile_settings": notebook_compile_settings()}
 
 
 def _pool(plan: Plan):
@@ -327,6 +322,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         if shipment is not None:
             held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
         defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
+        torch_settings.apply(state.get("torch_settings") or {})   # what the cell set: torch.set_default_dtype...
         adopt_cell_classes(ns, state["made_names"] + state["object_names"], defined)
         # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
         pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
