@@ -1,4 +1,5 @@
-"""torch's process-wide settings in %%dataparallel cells, both ways (gpumagic.dataparallel.torch_settings).
+"""torch's process-wide settings in worker cells (gpumagic.procs.torch_settings): both ways for
+%%dataparallel, into %%sharedtrain's fresh workers.
 
 Before, the ranks took only the kernel's matmul and cuDNN flags: a notebook that set
 ``torch.set_default_dtype(torch.float64)`` at the top had ranks making float32 data for its float64
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpumagic.dataparallel import torch_settings
+from gpumagic.procs import torch_settings
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
 
@@ -48,7 +49,8 @@ def test_the_kernels_settings_reach_the_ranks_and_the_cells_come_back(shell, ker
     assert shell.user_ns["seen"] == ("torch.float64", "torch.float64", True, False, "highest")
     assert shell.user_ns["model"].weight.dtype == torch.float64
     # what a cell sets is the notebook's afterwards, as after a plain cell
-    dp_cell(shell, "--nprocs 2", "torch.use_deterministic_algorithms(True)\ntorch.set_float32_matmul_precision('high')\n"
+    dp_cell(shell, "--nprocs 2", "torch.use_deterministic_algorithms(True)\n"
+                                 "torch.set_float32_matmul_precision('high')\n"
                                  "torch.autograd.set_detect_anomaly(False)\n" + READ)
     assert torch.are_deterministic_algorithms_enabled() and torch.get_float32_matmul_precision() == "high"
     assert not torch.is_anomaly_enabled() and torch.get_default_dtype() == torch.float64
@@ -64,3 +66,15 @@ def test_changed_names_what_differs_and_apply_takes_a_part(kernel_settings):
     assert torch_settings.changed(before, after) == {"default_dtype": "float64", "detect_anomaly": True}
     torch_settings.apply({"default_dtype": "float64"})
     assert torch.get_default_dtype() == torch.float64 and torch_settings.current()["detect_anomaly"] is False
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_fresh_sharedtrain_workers_take_the_kernels_settings(shell, kernel_settings, method):
+    torch.set_default_dtype(torch.float64)
+    torch.autograd.set_detect_anomaly(True)
+    run_cell(shell, SETUP)
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n" + READ
+                              + "report(dtype=seen[1], anomaly=seen[2])\n")
+    assert result.error_in_exec is None, out
+    history = shell.user_ns["sharedtrain"].history
+    assert [(h[-1]["dtype"], h[-1]["anomaly"]) for h in history] == [("torch.float64", True)] * 2

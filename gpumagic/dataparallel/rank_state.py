@@ -16,10 +16,10 @@ import types
 from ..cell.module_settings import module_settings
 from ..cell.values import is_plain_value, same_tuple_type
 from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
+from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
 from .results import NotebookName
 from .returnable import changed_attributes, deleted_attributes
-from .torch_settings import changed, current
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
+from ..procs import torch_settings
 from ..procs.display_relay import relay_in
 from ..procs.loaders import shard_loader
 from ..procs.relays import rank_relays
@@ -202,6 +203,7 @@ def train(ctx, meta: dict, data) -> None:
     relays = rank_relays(meta.get("relays") or {}, lambda msg: ctx.send(("relay", msg)), active=True)
     ns, code = _namespace(meta, data, relays)
     ns["get_ipython"] = _no_shell   # (under fork the notebook's own is the kernel's shell, not ours to use)
+    torch_settings.apply(meta.get("torch_settings") or {}, device=meta["device"])   # the kernel's default dtype...
     del data
     seed_all(meta["seed"] + rank)
     on_gpu = meta["device"].startswith("cuda")
