@@ -61,3 +61,21 @@ def test_a_gpu_ranks_output_saves_displays_and_environment(shell, tmp_path, monk
     torch.testing.assert_close(checkpoint["model"]["weight"], ns["model"].weight.detach())
     assert ns["seen"][:2] == (str(tmp_path), "set after the pool started")
     assert ns["seen"][2] != "the kernel's"
+
+
+def test_the_kernels_default_dtype_holds_on_a_gpu_rank_and_the_cells_settings_come_back(shell):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    from gpumagic.procs import torch_settings
+    saved = torch_settings.current()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert run_cell(shell, SETUP)[0].success
+        run_cell(shell, "%%dataparallel --devices cuda:0\n"
+                        "for x, y in loader: opt.zero_grad(); model(x.cuda()).sum().backward(); opt.step()\n"
+                        "made = (str(torch.randn(2, device='cuda').dtype), str(torch.randn(2).device))\n"
+                        "torch.set_float32_matmul_precision('high')\n")
+        assert shell.user_ns["made"] == ("torch.float64", "cpu")
+        assert torch.get_float32_matmul_precision() == "high"     # the cell's setting, in the notebook
+    finally:
+        torch_settings.apply(saved)
