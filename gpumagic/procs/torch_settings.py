@@ -52,13 +52,16 @@ def apply(settings: dict, device=None) -> None:
             None if v == "cpu" else (device if v == "cuda" and device is not None else v)),
         "detect_anomaly": torch.autograd.set_detect_anomaly,
     }
+    now = current()
+    # Only what differs: each cell's start pays nothing for settings left alone (and
+    # use_deterministic_algorithms imports torch._dynamo, a second in a fresh worker).
     for key, value in settings.items():
-        if key in handlers:
+        if key in handlers and now.get(key) != value:
             handlers[key](value)
-    if "deterministic" in settings or "deterministic_warn_only" in settings:
-        torch.use_deterministic_algorithms(
-            settings.get("deterministic", torch.are_deterministic_algorithms_enabled()),
-            warn_only=settings.get("deterministic_warn_only", torch.is_deterministic_algorithms_warn_only_enabled()))
+    deterministic = (settings.get("deterministic", now["deterministic"]),
+                     settings.get("deterministic_warn_only", now["deterministic_warn_only"]))
+    if deterministic != (now["deterministic"], now["deterministic_warn_only"]):
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 def changed(before: dict, after: dict) -> dict:
