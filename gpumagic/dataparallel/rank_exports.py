@@ -17,10 +17,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
-import tempfile
 
 from ..procs.import_patches import patch_module
+from .rank_files import PrivateDirectory
 
 __all__ = ["exporting_once"]
 
@@ -34,7 +33,7 @@ _EXPORTS = (("torch.profiler.profiler", "_KinetoProfile", "export_chrome_trace")
 
 # TensorBoard's writers, made in the cell, each start a log directory's event file of their own
 _WRITERS = ("torch.utils.tensorboard.writer", "tensorboardX.writer")
-_private: list = []   # while a cell runs on a rank other than 0: [the directory, made at first use]
+_private: PrivateDirectory | None = None   # while a cell runs on a rank other than 0
 
 
 @contextlib.contextmanager
@@ -45,7 +44,8 @@ def exporting_once(rank: int):
         yield
         return
     import importlib
-    _private[:] = [None]
+    global _private
+    _private = PrivateDirectory("gpumagic-rank-exports-")
     saved = []
     for module_name, class_name, method in _EXPORTS:
         cls = getattr(importlib.import_module(module_name), class_name, None)
@@ -60,18 +60,13 @@ def exporting_once(rank: int):
     finally:
         for cls, method, original in saved:
             setattr(cls, method, original)
-        directory = _private[0] if _private else None
-        _private.clear()
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+        private, _private = _private, None
+        private.remove()
 
 
 def _private_dir() -> str:
-    """This rank's directory for the cell's exports, made at the first one (a rank killed mid-cell
-    leaves none behind for the cells that export nothing)."""
-    if _private[0] is None:
-        _private[0] = tempfile.mkdtemp(prefix="gpumagic-rank-exports-")
-    return _private[0]
+    assert _private is not None, "only while a cell runs on a rank other than 0"
+    return _private.get()
 
 
 def _redirected(export):
@@ -96,7 +91,7 @@ def _private_writer(module) -> None:
     def init(self, log_dir=None, *args, **kwargs):
         if log_dir is None:
             log_dir = kwargs.pop("logdir", None)   # (tensorboardX's name for it)
-        if _private:
+        if _private is not None:
             log_dir = os.path.join(_private_dir(), os.path.basename(os.fspath(log_dir)) if log_dir else "runs")
         original(self, log_dir, *args, **kwargs)
 

@@ -44,9 +44,29 @@ from ..cell.compile import is_cell
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["writing_once"]
+__all__ = ["writing_once", "PrivateDirectory"]
 
 _WRITES = set("wax+")
+
+
+class PrivateDirectory:
+    """Where a rank other than 0 writes in place of the cell's real files: made at first use (a rank
+    killed mid-cell leaves none behind for the cells that write nothing, most of them), removed with
+    the cell."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.path: str | None = None
+
+    def get(self) -> str:
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix=self.prefix)
+        return self.path
+
+    def remove(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
 
 
 @contextlib.contextmanager
@@ -58,9 +78,7 @@ def writing_once(rank: int):
     import torch
     save, load, open_ = torch.save, torch.load, builtins.open
     other = rank != 0
-    # Made at the first private write: a rank killed mid-cell (an interrupt) leaves no directory behind
-    # for the cells that write nothing, most of them.
-    private: list[str] = []
+    private = PrivateDirectory(f"gpumagic-rank{rank}-")
     copies: dict[str, str] = {}   # real path -> this rank's copy
     started = time.time_ns()
 
@@ -70,9 +88,7 @@ def writing_once(rank: int):
         path = os.path.abspath(os.fspath(f))
         copy = copies.get(path)
         if copy is None and writing and other:
-            if not private:
-                private.append(tempfile.mkdtemp(prefix=f"gpumagic-rank{rank}-"))
-            copy = copies[path] = os.path.join(private[0], str(len(copies)))
+            copy = copies[path] = os.path.join(private.get(), str(len(copies)))
             if keep_contents and os.path.isfile(path):
                 shutil.copyfile(path, copy)
         return copy
@@ -123,8 +139,7 @@ def writing_once(rank: int):
     finally:
         torch.save, torch.load = save, load
         builtins.open = io.open = open_
-        for directory in private:
-            shutil.rmtree(directory, ignore_errors=True)
+        private.remove()
 
 
 def _fails_at_once(f, mode: str, copies: dict, started: int) -> bool:
