@@ -70,11 +70,20 @@ def test_changed_names_what_differs_and_apply_takes_a_part(kernel_settings):
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_fresh_sharedtrain_workers_take_the_kernels_settings(shell, kernel_settings, method):
+    import torch._dynamo.config
+    from torch.utils._config_module import _UNSET_SENTINEL
     torch.set_default_dtype(torch.float64)
     torch.autograd.set_detect_anomaly(True)
+    torch._dynamo.config.capture_scalar_outputs = True   # as a graph-break warning tells a user to
     run_cell(shell, SETUP)
-    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n" + READ
-                              + "report(dtype=seen[1], anomaly=seen[2])\n")
+    try:
+        result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n" + READ
+                                  + "import torch._dynamo.config\n"
+                                  + "report(dtype=seen[1], anomaly=seen[2], "
+                                    "scalars=torch._dynamo.config.capture_scalar_outputs)\n")
+    finally:
+        torch._dynamo.config._config["capture_scalar_outputs"].user_override.set(_UNSET_SENTINEL)
     assert result.error_in_exec is None, out
     history = shell.user_ns["sharedtrain"].history
-    assert [(h[-1]["dtype"], h[-1]["anomaly"]) for h in history] == [("torch.float64", True)] * 2
+    seen = [(h[-1]["dtype"], h[-1]["anomaly"], h[-1]["scalars"]) for h in history]
+    assert seen == [("torch.float64", True, True)] * 2

@@ -24,12 +24,12 @@ from ..cell.compile import register_source
 from ..cell.main_module import main_is_cell
 from ..cell.placement_workers import bind_placement
 from ..procs import torch_settings
+from ..procs.compile_settings import apply_compile_settings
 from ..procs.loaders import ShardedBatchSampler, shard_loader
 from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
-from .compile_settings import apply_compile_settings
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
 from .rank_exports import exporting_once

@@ -47,6 +47,7 @@ from ..cell.with_targets import quiet_targets
 from ..display import note
 from ..errors import usage_error
 from ..procs import torch_settings
+from ..procs.compile_settings import notebook_compile_settings
 from ..procs.output import RankOutput
 from ..procs.relays import Relays
 from ..procs.rendezvous import free_loopback_port
@@ -54,7 +55,6 @@ from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
 from ..procs.wire import Unshippable, pack_namespace
 from . import held
-from .compile_settings import notebook_compile_settings
 from .detect import choose_mode
 from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
 from .plan import POOL_NAME, Plan, check_launch

@@ -64,6 +64,7 @@ from ..cell.values import find_loaders, find_modules, find_optimizers
 from ..cell.with_targets import quiet_targets
 from ..errors import usage_error
 from ..procs import forkserver, torch_settings
+from ..procs.compile_settings import notebook_compile_settings
 from ..procs.failures import primary_error
 from ..procs.follow_kernel import where_now
 from ..procs.group import WorkerGroup
@@ -305,7 +306,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                  "placement": placement,
                  "set_device_name": device is not None,
                  # (a spawned worker starts with torch's defaults, not the kernel's float64, say)
-                 "torch_settings": torch_settings.current(), "loaders": loaders, "optimizers": list(optimizers),
+                 "torch_settings": torch_settings.current(), "compile_settings": notebook_compile_settings(),
+                 "loaders": loaders, "optimizers": list(optimizers),
                  "modules": list(modules)})
     result = SharedTrainResult(modules=modules, nprocs=nprocs, start_method=method, start_reason=reason,
                                device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),

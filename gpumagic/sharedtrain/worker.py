@@ -25,6 +25,7 @@ from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
 from ..procs import torch_settings
+from ..procs.compile_settings import apply_compile_settings
 from ..procs.display_relay import relay_in
 from ..procs.loaders import shard_loader
 from ..procs.relays import rank_relays
@@ -204,6 +205,7 @@ def train(ctx, meta: dict, data) -> None:
     ns, code = _namespace(meta, data, relays)
     ns["get_ipython"] = _no_shell   # (under fork the notebook's own is the kernel's shell, not ours to use)
     torch_settings.apply(meta.get("torch_settings") or {}, device=meta["device"])   # the kernel's default dtype...
+    apply_compile_settings(meta.get("compile_settings") or {})   # ...and torch._dynamo.config settings
     del data
     seed_all(meta["seed"] + rank)
     on_gpu = meta["device"].startswith("cuda")
