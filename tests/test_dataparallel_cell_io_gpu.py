@@ -33,6 +33,7 @@ os.write(1, b"written below python\\n")
 subprocess.run(["nvidia-smi", "-L"])
 display(HTML("<b>on the gpu</b>"))
 seen = (os.getcwd(), os.environ.get("GPUMAGIC_GPU_TEST"), os.environ.get("LOCAL_RANK"))
+last_grad = model.weight.grad.clone()
 """
 
 
@@ -59,6 +60,8 @@ def test_a_gpu_ranks_output_saves_displays_and_environment(shell, tmp_path, monk
     checkpoint = torch.load(ns["PATH"], map_location="cpu")   # (no CUDA context in the kernel for it)
     assert float(checkpoint["loss"]) == float(ns["loss"])
     torch.testing.assert_close(checkpoint["model"]["weight"], ns["model"].weight.detach())
+    # the rank's last gradient is on the notebook's (CPU) parameter, as after a plain cell
+    assert ns["model"].weight.grad.device.type == "cpu" and torch.equal(ns["model"].weight.grad, ns["last_grad"])
     assert ns["seen"][:2] == (str(tmp_path), "set after the pool started")
     assert ns["seen"][2] != "the kernel's"
 

@@ -145,6 +145,7 @@ def test_equivalence_with_single_process_training(shell):
     ns = shell.user_ns
     model, opt, losses = ns["model"], ns["opt"], ns["losses"]
     ref_model, ref_opt, ref_losses = _reference(ns)
+    model(torch.ones(1, 6)).sum().backward()   # gradients of an earlier plain cell: not to be left stale
 
     dp_cell(shell, CPU2, TRAIN)
 
@@ -155,12 +156,24 @@ def test_equivalence_with_single_process_training(shell):
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
                                    atol=1e-5, rtol=0)
+    # the last step's gradients (averaged over the ranks: the full batch's) are on the notebook's
+    # parameters, as after a plain cell
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0)
     # rank 0's losses are over its half of each batch: 8 steps, close to the full-batch losses
     assert len(losses) == 8 and abs(ns["final_loss"] - losses[-1]) < 1e-6
     result = last_result()
     assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
     assert {r: s["samples"] for r, s in result.per_rank.items()} == {0: 64, 1: 64}
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
+
+
+def test_gradients_the_cell_cleared_are_cleared_in_the_notebook(shell):
+    run_cell(shell, SETUP.format(shuffle=False))
+    model = shell.user_ns["model"]
+    model(torch.ones(1, 6)).sum().backward()
+    dp_cell(shell, CPU2, TRAIN + "opt.zero_grad()\n")   # set_to_none: no gradients, as after a plain cell
+    assert [p.grad for p in model.parameters()] == [None] * 4
 
 
 def test_second_cell_continues_from_the_first(shell):

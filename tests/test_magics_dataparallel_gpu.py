@@ -89,6 +89,9 @@ def test_two_gpus_train_and_weights_come_back_where_the_model_lives(shell, where
     for name, p in model.state_dict().items():
         torch.testing.assert_close(p.cpu(), ref.state_dict()[name].cpu(), atol=1e-4, rtol=1e-4)
     assert {str(s["momentum_buffer"].device) for s in opt.state.values()} == {where}
+    for p, q in zip(model.parameters(), ref.parameters()):   # the last step's averaged gradients too
+        assert p.grad.device == p.device
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), atol=1e-4, rtol=1e-4)
     assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
     assert isinstance(ns["final_loss"], float)
 

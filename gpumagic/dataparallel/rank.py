@@ -141,7 +141,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
                 guard.remove()
     if compiling and ctx.rank == 0:
         ctx.send({"kind": "note", "text": compile_note(counts_before, compile_counts(), stats, compiled_anew)})
-    # Gradients do not go back to the notebook: free them now rather than keep them with the weights.
+    # Rank 0's gradients go back with the weights (a plain cell leaves them on the model); no rank
+    # keeps them for the next cell, as they would hold a second model's worth of GPU memory.
+    grads = _plain_grads(inner) if ctx.rank == 0 and not fsdp else {}
     for module in inner.values():
         for p in module.parameters():
             p.grad = None
@@ -158,6 +160,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     buffer = None
     if ctx.rank == 0:
         state = rank0_state(ns, meta, inner, opts, value)
+        state["grads"] = {n: g for n, g in grads.items() if n not in gathered}
         state["modules"].update(gathered)
         if gathered:
             _drop_sharded_optimizers(state, opts)
@@ -345,6 +348,18 @@ def _trained_tensors(tensors: list, inner: dict, opts: dict) -> list:
         for st in opt.state.values():
             held += [v for v in st.values() if isinstance(v, torch.Tensor)]
     return held
+
+
+def _plain_grads(inner: dict) -> dict:
+    """``{module: {parameter: grad or None}}``; a module with sharded gradients (the cell's own FSDP)
+    has none to give."""
+    import torch
+    grads = {}
+    for name, module in inner.items():
+        params = dict(module.named_parameters())
+        if all(p.grad is None or type(p.grad) is torch.Tensor for p in params.values()):
+            grads[name] = {k: p.grad for k, p in params.items()}
+    return grads
 
 
 def _shapes(module) -> dict:

@@ -81,6 +81,19 @@ def _follow_dtypes(module, got: dict) -> None:
             t.data = t.data.to(got[key].dtype)
 
 
+def _load_grads(module, grads: dict) -> None:
+    """Rank 0's last gradients on the notebook's parameters, as a plain cell leaves them (None where
+    the cell zeroed them to None): copied, as the packed tensors are views of a reused buffer."""
+    for key, p in module.named_parameters():
+        g = grads.get(key)
+        if g is None:
+            p.grad = None
+        elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
+            p.grad.copy_(g)
+        else:
+            p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+
+
 def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
     """Check everything first, then copy rank 0's state into the notebook's objects in place."""
     import torch
@@ -117,6 +130,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 module.load_state_dict(state["modules"][name])
             if name in (state.get("settings") or {}):
                 apply_settings(module, state["settings"][name])
+            if name in (state.get("grads") or {}) and name not in reshaped:
+                _load_grads(module, state["grads"][name])
     # the notebook's objects the cell bound other names to, taken before any name is bound anew
     aliased = {n: ns[other] for n, other in (state.get("aliases") or {}).items() if other in ns}
     for name, opt in optimizers.items():
