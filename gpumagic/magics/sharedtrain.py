@@ -10,6 +10,7 @@ from __future__ import annotations
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..errors import CellInterrupted
 from .args import oversubscribe, parse
 
 __all__ = ["SharedTrainMagics"]
@@ -77,6 +78,9 @@ class SharedTrainMagics(Magics):
             if partial is not None:
                 self.shell.user_ns[RESULT_NAME] = partial
             progress.stopped(partial, exc)
+            if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, CellInterrupted):
+                # as %%dataparallel: where the kernel happened to be waiting is not the user's concern
+                raise CellInterrupted from None
             raise
         self.shell.user_ns[RESULT_NAME] = result
         progress.finish(result)
