@@ -42,3 +42,15 @@ def test_start_method_is_fork_only_where_safe():
     with pytest.raises(UsageError, match="fork cannot be used with a model on cuda:1: CUDA does not survive fork; "
                                          "valid choices: spawn"):
         choose_start_method("fork", "cuda:1", True, safe, "linux")
+
+
+def test_multiprocessing_descriptor_sharer_leaves_fork_safe():
+    # torch's reducers start it when they send a shared tensor (as --strategy fsdp does); it takes no
+    # lock while serving and resets itself in a child multiprocessing forks.
+    from multiprocessing.resource_sharer import _ResourceSharer
+
+    from gpumagic.procs.start import fork_unsafe_threads
+    sharer = _FakeThread("Thread-5 (_serve)", target=_ResourceSharer()._serve)
+    assert fork_unsafe_threads([sharer]) == []
+    assert choose_start_method(None, "cpu", False, [sharer], "linux")[0] == "fork"
+    assert fork_unsafe_threads([_FakeThread("Thread-9 (poll)", target=_poll)]) != []

@@ -36,6 +36,10 @@ START_METHODS = ("fork", "spawn", "forkserver")
 # child never runs their code, so they cannot leave it a held lock it needs.
 _SAFE_THREAD_PACKAGES = frozenset({"IPython", "ipykernel", "zmq", "jupyter_client", "tornado", "comm",
                                    "ipywidgets", "gpumagic", "tqdm", "debugpy", "_pydevd_bundle", "pydevd"})
+# multiprocessing's descriptor sharer, started once torch's reducers send a shared tensor (as
+# --strategy fsdp does): it takes no lock while serving, and resets itself in a child that
+# multiprocessing forks.
+_SAFE_THREAD_MODULES = frozenset({"multiprocessing.resource_sharer"})
 
 # What a worker's first optimizer call imports (over a second of CPU): a forking kernel imports it
 # once for all later cells, and the fork server preloads it.
@@ -50,7 +54,7 @@ def _thread_packages(thread: threading.Thread) -> set:
         owner = getattr(target, "__self__", None)
         if owner is not None:
             mods.add(type(owner).__module__)
-    return {m.split(".")[0] for m in mods if m}
+    return {m if m in _SAFE_THREAD_MODULES else m.split(".")[0] for m in mods if m}
 
 
 def fork_unsafe_threads(threads=None) -> list:
@@ -66,7 +70,8 @@ def fork_unsafe_threads(threads=None) -> list:
         if thread is current or thread is threading.main_thread() or not thread.is_alive():
             continue
         packages = _thread_packages(thread)
-        if packages and packages <= _SAFE_THREAD_PACKAGES | {"threading"} and packages != {"threading"}:
+        if packages and packages <= _SAFE_THREAD_PACKAGES | _SAFE_THREAD_MODULES | {"threading"} \
+                and packages != {"threading"}:
             continue
         unsafe.append(thread)
     return unsafe
