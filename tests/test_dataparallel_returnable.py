@@ -219,3 +219,31 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     changed, dropped = changed_attributes(ns, before, ["box"])
     assert changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}}
     assert dropped == ["other.y (not a plain value)"]
+
+
+def test_changed_attributes_take_tensors_kept_with_their_graph():
+    """``log.losses.append(loss)`` keeps each loss's graph (fine in a plain cell); copying it raised after
+    the whole training had run."""
+    class Log:
+        pass
+    log = Log()
+    log.losses = []
+    ns = {"log": log}
+    before = attribute_snapshot(ns, ["log"], {})
+    w = torch.ones(2, requires_grad=True)
+    log.losses.append((w * 3).sum())
+    changed, dropped = changed_attributes(ns, before, ["log"])
+    assert dropped == [] and changed["log"]["losses"] == [torch.tensor(6.0)]
+    assert not changed["log"]["losses"][0].requires_grad
+
+
+def test_module_settings_carry_what_a_module_collects_into_the_same_list():
+    from gpumagic.cell.module_settings import apply_settings, module_settings
+    trained, notebook = torch.nn.Sequential(torch.nn.Linear(2, 1)), torch.nn.Sequential(torch.nn.Linear(2, 1))
+    kept = notebook.losses = []
+    trained.losses = [(torch.ones(1, requires_grad=True) * 2).sum()]
+    trained[0].history = {"epoch": [1, 2]}
+    settings = module_settings(trained)
+    apply_settings(notebook, settings)
+    assert notebook.losses is kept and kept == [torch.tensor(2.0)] and not kept[0].requires_grad
+    assert notebook[0].history == {"epoch": [1, 2]}

@@ -15,7 +15,7 @@ from .names import names_read
 logger = logging.getLogger(__name__)
 
 __all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful", "same_tuple_type",
-           "equal_values"]
+           "equal_values", "detached"]
 
 
 def _module_names(namespace: dict) -> list[str]:
@@ -99,6 +99,21 @@ def equal_values(a, b) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - any value's __eq__ may raise: unequal
         return False
+
+
+def detached(value, cpu: bool = False):
+    """A plain value without autograd history (``losses.append(loss)`` keeps the graph; such a tensor
+    cannot be copied), its tensors moved to the CPU where ``cpu``."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if cpu else value.detach()
+    if isinstance(value, list):
+        return [detached(v, cpu) for v in value]
+    if isinstance(value, tuple):
+        return same_tuple_type(value, [detached(v, cpu) for v in value])
+    if isinstance(value, dict):
+        return {k: detached(v, cpu) for k, v in value.items()}
+    return value
 
 
 def same_tuple_type(original: tuple, items: list) -> tuple:

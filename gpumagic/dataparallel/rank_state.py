@@ -14,7 +14,7 @@ import logging
 import types
 
 from ..cell.module_settings import module_settings
-from ..cell.values import is_plain_value, same_tuple_type
+from ..cell.values import detached, is_plain_value
 from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
@@ -66,7 +66,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             continue
         v = ns[n]
         if is_plain_value(v):
-            state["values"][n] = _detached(v)
+            state["values"][n] = detached(v)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
             model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
@@ -170,20 +170,6 @@ def _all_cpu(state) -> dict:
                 walk(v)
     walk(state)
     return targets
-
-
-def _detached(value):
-    """Plain values without autograd history (``loss`` kept as a tensor is common)."""
-    import torch
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, tuple):
-        return same_tuple_type(value, [_detached(v) for v in value])
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
 
 
 def _last_value(value, ns: dict, inner: dict, opts: dict):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 
-from ..cell.values import equal_values, is_plain_value
+from ..cell.values import detached, equal_values, is_plain_value
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
            "follow_path", "WATCHED_ITEMS"]
@@ -83,12 +83,12 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
         attrs = getattr(follow_path(ns, name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
-        kept = {k: copy.deepcopy(v) for k, v in attrs.items()
+        kept = {k: _copied(v) for k, v in attrs.items()
                 if name in watched and not k.startswith("_") and _small(v) and is_plain_value(v)}
         for k in assigned.get(name, []):
             v = attrs.get(k, _MISSING)
             # a plain value is copied to compare; another is compared by identity (copying may fail)
-            kept[k] = copy.deepcopy(v) if _small(v) and is_plain_value(v) else _Held(v)
+            kept[k] = _copied(v) if _small(v) and is_plain_value(v) else _Held(v)
         snapshot[name] = (kept, set(attrs))
     return snapshot
 
@@ -109,7 +109,7 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
             if now is _MISSING or _same(now, before.get(k, _MISSING)):
                 continue
             if is_plain_value(now):
-                changed.setdefault(name, {})[k] = copy.deepcopy(now)
+                changed.setdefault(name, {})[k] = _copied(now)
             else:
                 dropped.append(f"{name}.{k} (not a plain value)")
     return changed, dropped
@@ -137,6 +137,11 @@ class _Held:
 
     def __eq__(self, other):
         return other is self.value
+
+
+def _copied(value):
+    """A copy of a plain value; its tensors detached (a loss with its graph cannot be copied)."""
+    return copy.deepcopy(detached(value))
 
 
 def _small(value) -> bool:

@@ -161,8 +161,9 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
-        # the notebook's other objects: instances of its own classes, and what the cell sets on them
-        watched=watched_paths(ns, others),
+        # the notebook's other objects: instances of its own classes (a LightningDataModule whose setup()
+        # sets num_classes too, though its state_dict comes back), and what the cell sets on them
+        watched=watched_paths(ns, others + stateful),
         set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
@@ -436,6 +437,7 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
         state["object_names"], state["not_loaded"] = loaded["objects"], loaded["not_loaded"]
+        _unbind_not_returned(ns, survey, state.get("not_returned", []) + state["not_loaded"])
         if shipment:
             made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
@@ -453,3 +455,17 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
                  "again, or load a checkpoint")
         raise
     return state
+
+
+def _unbind_not_returned(ns: dict, survey: CellSurvey, not_returned: list[str]) -> None:
+    """Names the cell bound anew that do not come back (``trainer = Trainer(...)``, noted as ending with
+    the cell) are unbound in the notebook too: left alone, they would hold what an earlier cell bound
+    (the trainer of a plain run), which the next cell would read as the cell's. A notebook model,
+    optimizer, loader or scheduler that the cell rebound to the framework's wrapper of it
+    (``loader = accelerator.prepare(loader)``) stays: it is the object the cell trained with."""
+    import torch
+    kept = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
+    for entry in not_returned:
+        name = entry.split(" (", 1)[0]
+        if name in survey.assigned and name in ns and not (isinstance(ns[name], kept) or is_stateful(ns[name])):
+            del ns[name]
