@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gpumagic.cell.definitions import define_in_notebook
-from gpumagic.dataparallel.results import load_into_notebook
+from gpumagic.dataparallel.results import CellResult, load_into_notebook
 
 CELL = """\
 import json as js
@@ -192,3 +192,10 @@ def test_a_stateful_object_that_refuses_its_state_is_named_with_what_was_loaded_
                                            r"cell's other values are as before the cell"):
         load_into_notebook(ns, state, {"model": model}, {}, ["sched"])
     assert torch.equal(model.weight, got["weight"]) and ns["epochs"] == 1
+
+
+def test_the_summary_names_what_came_back_but_not_a_throwaway_loop_variable():
+    result = CellResult(devices=["cpu", "cpu"], backend="gloo", modules=["model"], optimizers=["opt"], loaders=[],
+                        stateful=[], values=["_", "losses"], per_rank={0: {"steps": 4}, 1: {"steps": 4}})
+    assert result.summary() == ("%%dataparallel: 2 ranks (gloo), 4 optimizer steps each; trained state loaded "
+                                "into model, opt; values: losses")

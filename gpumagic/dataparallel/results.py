@@ -57,8 +57,9 @@ class CellResult:
                        f"fsdp cell continues from it): {', '.join(self.stayed)}")
         text = f"%%dataparallel: {ranks}{step_text}; " + (
             loaded or "no notebook model used (nothing loaded in place)")
-        if self.values:
-            text += f"; values: {', '.join(self.values)}"
+        shown = [n for n in self.values if n != "_"]   # (``for _ in range(3)``: bound, not worth a word)
+        if shown:
+            text += f"; values: {', '.join(shown)}"
         if self.made:
             text += f"; models built in the cell (on the CPU): {', '.join(self.made)}"
         if self.defined:
