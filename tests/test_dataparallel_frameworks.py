@@ -59,7 +59,8 @@ def test_framework_trains_on_two_ranks_and_the_weights_come_back(shell, case):
         assert result.success, text
         assert ns["result"].global_step * 2 == ns["single"] == 8
         assert not equal_states(ns["bert"].state_dict(), ns["bert_before"])
-        assert "trainer" in cap.stderr.split("not brought back")[1].splitlines()[0]
+        note = cap.stderr.split("not brought back")[1].splitlines()[0]
+        assert "trainer (holds a Trainer" in note and "history = trainer.state.log_history" in note
     else:
         assert ns["batches"] == 4                      # 8 batches of 8, shared by two ranks
         assert not equal_states(ns["model"].state_dict(), ns["before"])

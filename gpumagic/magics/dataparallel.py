@@ -192,8 +192,8 @@ class DataParallelMagics(Magics):
         except KeyboardInterrupt:
             raise CellInterrupted from None
         if result.not_returned:
-            display.note("not brought back (they end with the cell): "
-                         + ", ".join(result.not_returned))
+            display.note("not brought back (they end with the cell): " + ", ".join(result.not_returned)
+                         + _keep_hint(result.not_returned))
         display.note(result.summary())
         return result.value
 
@@ -253,3 +253,13 @@ class DataParallelMagics(Magics):
         else:
             print(shown.text)
         return None
+
+
+def _keep_hint(not_returned: list[str]) -> str:
+    """How to keep what a trainer that ends with the cell knows: bind it in the cell."""
+    trainers = [entry.split(" (", 1)[0] for entry in not_returned if "(holds a Trainer," in entry]
+    if not trainers:
+        return ""
+    name = trainers[0]
+    return (f". To keep what {name} knows, bind it in the cell: history = {name}.state.log_history "
+            f"(Hugging Face), metrics = {name}.callback_metrics (Lightning)")
