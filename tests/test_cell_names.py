@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import ast
 
-from gpumagic.cell.names import attributes_assigned, free_reads, names_assigned, names_deleted, used_names
+from gpumagic.cell.names import (
+    attributes_assigned,
+    free_reads,
+    items_assigned,
+    names_assigned,
+    names_deleted,
+    used_names,
+)
 
 
 def test_used_names_follow_notebook_functions():
@@ -47,3 +54,10 @@ def test_a_deleted_name_is_read_from_the_notebook_and_named_as_deleted():
 def test_attributes_assigned_through_a_chain_name_the_object_they_land_on():
     tree = ast.parse("args.epochs = 2\ncfg.optim.lr = 0.1\ncfg.optim.steps += 1\nrows[0].x = 1\n")
     assert attributes_assigned(tree) == {"args": ["epochs"], "cfg.optim": ["lr", "steps"]}
+
+
+def test_items_assigned_name_the_notebook_object_reached_through_an_item():
+    tree = ast.parse("held['n'] = 2\ncfgs[0].lr = 0.5\ndel cache[k]\npreds[i:j] += out\nargs.lr = 1\n"
+                     "x = d['a']\nobj.parts[1].w = 3\n")
+    assert items_assigned(tree) == {"held": ["held['n']"], "cfgs": ["cfgs[0].lr"], "cache": ["cache[k]"],
+                                    "preds": ["preds[i:j]"], "obj": ["obj.parts[1].w"]}

@@ -321,8 +321,9 @@ def test_cluster_start_options_in_the_cell_form_are_refused(shell):
     from IPython.core.error import UsageError
     run_cell(shell, SETUP)
     for line, named in (("--engines slurm", "--engines"), ("--profile foo", "--profile")):
-        with pytest.raises(UsageError, match=f"{named} belong\\(s\\) to %dataparallel cluster start"):
+        with pytest.raises(UsageError, match=f"{named} belong\\(s\\) to %dataparallel cluster start") as err:
             dp_cell(shell, line, "y = 1\n")
+        assert f"valid choices: --cluster, %dataparallel cluster start {line}" in str(err.value)   # with its value
     assert "y" not in shell.user_ns
 
 
@@ -415,3 +416,27 @@ def test_a_model_cast_in_the_cell_keeps_its_new_dtype_in_the_notebook(shell):
     assert [float(p.detach().sum()) for p in params] == ns["done"]        # float64 sums, not cast to float32
     result, text, _ = run_cell(shell, "opt.zero_grad()\nmodel(X.double()).sum().backward()\nopt.step()")
     assert result.success, text                                            # the optimizer still steps them
+
+
+def test_items_the_cell_sets_on_notebook_tensors_and_arrays_come_back_in_place(shell):
+    # ``preds[idx] = ...`` into a preallocated notebook tensor (an evaluation pass, whole on every rank)
+    run_cell(shell, SETUP + "import numpy as np\npreds = torch.zeros(64)\nseen = np.zeros(64, dtype=bool)\n"
+                            "alias = preds\nclass Box: pass\nheld = {'box': Box(), 'n': 1}\n")
+    ns = shell.user_ns
+    preds, seen = ns["preds"], ns["seen"]
+    _, cap = dp_cell(shell, CPU2, """
+        with torch.no_grad():
+            for i, (x, y) in enumerate(loader):
+                preds[i * 8:(i + 1) * 8] = model(x).squeeze(1)
+                seen[i * 8:(i + 1) * 8] = True
+        held["box"].size = 3
+        held["n"] = 2
+        """)
+    assert ns["preds"] is preds and ns["alias"] is preds and ns["seen"] is seen   # the same objects, filled
+    with torch.no_grad():
+        torch.testing.assert_close(preds, ns["model"](ns["X"]).squeeze(1))
+    assert seen.all()
+    # what cannot come back is named, with why, rather than lost in silence
+    note = cap.stderr.split("not brought back")[1].splitlines()[0]
+    assert "held['box'].size, held['n'] (set through items of held, a dict that does not come back" in note, note
+    assert ns["held"]["n"] == 1

@@ -251,6 +251,22 @@ def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:
     return {path: list(attrs) for path, attrs in found.items()}
 
 
+def items_assigned(tree: ast.AST) -> dict[str, list[str]]:
+    """``{name: [target, ...]}`` for what the cell sets or deletes through an item of an object it reaches
+    from a name: ``held["n"] = 2``, ``cfgs[0].lr = 0.5`` and ``del cache[k]`` give ``{"held": ['held['n']'],
+    "cfgs": ["cfgs[0].lr"], "cache": ["cache[k]"]}``."""
+    found: dict[str, dict[str, None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base, through_item = node.value, isinstance(node, ast.Subscript)
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                through_item = through_item or isinstance(base, ast.Subscript)
+                base = base.value
+            if through_item and isinstance(base, ast.Name):
+                found.setdefault(base.id, {})[ast.unparse(node)] = None
+    return {name: list(targets) for name, targets in found.items()}
+
+
 def attribute_chain(node: ast.AST) -> list[str] | None:
     """``a.b.c`` (read) as ``["a", "b", "c"]``; None for anything but a name or an attribute chain on one."""
     attrs: list[str] = []

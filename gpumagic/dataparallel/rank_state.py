@@ -65,7 +65,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         if n not in ns or n in state["aliases"]:
             continue
         v = ns[n]
-        if is_plain_value(v):
+        if is_plain_value(v) or n in meta.get("filled", ()):   # (a tensor the cell set items of: filled in place)
             state["values"][n] = detached(v)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):

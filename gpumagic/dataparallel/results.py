@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
@@ -197,16 +198,29 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
 
 
 def _refill(old, value) -> bool:
-    """Give the notebook's list or dict ``old`` the contents of ``value`` (the same object stays, as other
-    names may hold it); False where they are not both lists or both dicts."""
+    """Give the notebook's list, dict, tensor or array ``old`` the contents of ``value`` (the same object
+    stays, as other names may hold it); False where they are not of one kind (and shape)."""
+    import torch
     if isinstance(old, list) and isinstance(value, list):
         old[:] = value
     elif isinstance(old, dict) and isinstance(value, dict):
         old.clear()
         old.update(value)
+    elif isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape \
+            and old.dtype == value.dtype:
+        with torch.no_grad():
+            old.copy_(value)
+    elif _same_array(old, value):
+        old[...] = value
     else:
         return False
     return True
+
+
+def _same_array(old, value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(old, numpy.ndarray) and isinstance(value, numpy.ndarray) and \
+        old.shape == value.shape and old.dtype == value.dtype and old.flags.writeable
 
 
 _MISSING = object()

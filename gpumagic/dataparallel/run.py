@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.definitions import define_in_notebook
 from ..cell.names import (
     attributes_assigned,
     calls_assigned,
+    items_assigned,
     names_assigned,
     names_deleted,
     names_tree,
@@ -94,6 +96,8 @@ class CellSurvey:
                           # their changed plain attributes come back
     set_attributes: dict  # name or path -> attributes the cell sets on that notebook object
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
+    filled: list = field(default_factory=list)         # notebook tensors and arrays whose items the cell sets
+    item_changes: list = field(default_factory=list)   # set through items of what does not come back
 
 
 def read_names(tree, shell) -> list[str]:
@@ -158,6 +162,10 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     trained = set(modules) | set(optimizers) | set(read_loaders)
     others = [n for n in names if n not in trained and n not in stateful and n not in assigned
               and not isinstance(ns[n], (types.ModuleType, type, types.FunctionType, torch.nn.Module))]
+    items = {root: targets for root, targets in items_assigned(tree).items()
+             if root in others and root not in plain_read}
+    # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
+    filled = [root for root in items if _is_array(ns[root])]
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
@@ -165,8 +173,22 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         # sets num_classes too, though its state_dict comes back), and what the cell sets on them
         watched=watched_paths(ns, others + stateful),
         set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
-        return_names=[n for n in dict.fromkeys(assigned + plain_read) if n not in trained and n not in stateful],
-        device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])])
+        return_names=[n for n in dict.fromkeys(assigned + plain_read + filled)
+                      if n not in trained and n not in stateful],
+        device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])],
+        filled=filled,
+        # ``held["n"] = 2`` on a dict holding other objects: lost with the cell, so said
+        item_changes=[f"{', '.join(targets)} (set through {'items' if len(targets) > 1 else 'an item'} of {root}, "
+                      f"a {type(ns[root]).__name__} that does not come back; set {'them' if len(targets) > 1 else 'it'}"
+                      " in a plain cell)"
+                      for root, targets in items.items() if root not in filled])
+
+
+def _is_array(value) -> bool:
+    """A plain tensor or a numpy array (its items set in place come back into it)."""
+    import torch
+    numpy = sys.modules.get("numpy")
+    return type(value) is torch.Tensor or (numpy is not None and type(value) is numpy.ndarray)
 
 
 def _modules_built(tree, ns: dict) -> list[str]:
@@ -302,7 +324,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
         "stateful": survey.stateful, "device_strings": survey.device_strings,
-        "return_names": survey.return_names, "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
+        "return_names": survey.return_names, "filled": survey.filled,
+        "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
         "watched": survey.watched, "set_attributes": survey.set_attributes,
         "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
         "seed": plan.seed if plan.seed is not None else draw_seed(),
@@ -343,7 +366,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         loaders=list(survey.loaders), stateful=survey.stateful,
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
-        not_returned=state.get("not_returned", []) + state["not_loaded"] + not_defined,
+        not_returned=state.get("not_returned", []) + state["not_loaded"] + not_defined + survey.item_changes,
         value=ns.get(state["value"].name) if isinstance(state.get("value"), NotebookName) else state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
