@@ -82,3 +82,21 @@ def test_the_kernels_default_dtype_holds_on_a_gpu_rank_and_the_cells_settings_co
         assert torch.get_float32_matmul_precision() == "high"     # the cell's setting, in the notebook
     finally:
         torch_settings.apply(saved)
+
+
+def test_what_a_gpu_rank_collects_and_fills_comes_back_on_the_cpu(shell):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    assert run_cell(shell, SETUP + "preds = torch.zeros(64)\nmodel.seen = []\n")[0].success
+    ns = shell.user_ns
+    preds, seen = ns["preds"], ns["model"].seen
+    result = shell.run_cell("%%dataparallel --devices cuda:0\n"
+                            "for i, (x, y) in enumerate(loader):\n"
+                            "    opt.zero_grad(); out = model(x.cuda()); loss = (out - y.cuda()).pow(2).mean()\n"
+                            "    loss.backward(); opt.step()\n"
+                            "    model.seen.append(loss)            # a CUDA tensor with its graph\n"
+                            "    preds[i * 8:(i + 1) * 8] = out.detach().squeeze(1)   # into a notebook CPU tensor\n")
+    assert result.error_in_exec is None
+    assert ns["model"].seen is seen and len(seen) == 8 and {t.device.type for t in seen} == {"cpu"}
+    assert ns["preds"] is preds and bool((preds != 0).all())
+    assert ns["model"].weight.grad is not None and ns["model"].weight.grad.device.type == "cpu"
