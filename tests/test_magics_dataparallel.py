@@ -560,6 +560,21 @@ def test_the_line_form_refuses_cell_options(shell):
         shell.run_line_magic("dataparallel", "stop --all-output")
 
 
+@pytest.mark.parametrize("line, says", [
+    ("cluster", "%dataparallel cluster: start, stop or status; valid choices: %dataparallel cluster start"),
+    ("cluster go", "%dataparallel cluster go: start, stop or status; valid choices: %dataparallel cluster start"),
+])
+def test_a_cluster_line_without_a_known_verb_names_the_verbs(shell, line, says):
+    with pytest.raises(UsageError) as err:
+        shell.run_line_magic("dataparallel", line)
+    assert says in str(err.value)
+
+
+def test_the_help_names_every_cluster_verb(shell):
+    help_text = " ".join(shell.magics_manager.magics["line"]["dataparallel"].__doc__.split())
+    assert "after 'cluster': start, stop or status" in help_text
+
+
 def test_a_syntax_error_points_at_the_cell_line_only(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     result, out = run_cell(shell, f"%%dataparallel {CPU2}\nx = 1\ny = (x +\n")[:2]

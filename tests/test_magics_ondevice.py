@@ -342,7 +342,7 @@ def test_gpu_torch_cannot_use_is_usage_error(shell, monkeypatch):
 def test_bad_flag_is_usage_error(shell):
     err, _, _ = fails(shell, "%%ondevice cpu --bogus\nx = 1\n")
     assert type(err) is UsageError
-    assert "unrecognized arguments: --bogus; usage: %ondevice [--stream] [--sync]" in str(err)
+    assert "unrecognized arguments: --bogus; usage: %%ondevice [--stream] [--sync]" in str(err)   # a cell magic
 
 
 def test_a_long_device_name_is_cut_in_the_error(shell):

@@ -572,6 +572,7 @@ def test_killed_kernel_leaves_no_workers(method):
     ("--device cuda:9", "y = x * 2", "device 'cuda:9'"),         # the bad device first, then the model
     ("--start-method thread", "model(x)", "invalid choice: 'thread' (choose from 'spawn', 'fork', 'forkserver')"),
     ("--nprocs two", "model(x)", "invalid int value: 'two'"),
+    ("--bogus", "model(x)", "unrecognized arguments: --bogus; usage: %%sharedtrain [--nprocs N]"),
     ("", "\n# nothing\n", "the cell is empty"),
 ])
 def test_bad_input_is_a_usage_error_and_changes_nothing(shell, line, cell, message):

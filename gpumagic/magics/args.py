@@ -20,4 +20,11 @@ def parse(magic_func, line: str):
         return parse_argstring(magic_func, line)
     except UsageError as exc:
         usage = " ".join(magic_func.parser.format_usage().replace("::", "").split()).replace("usage: ", "", 1)
-        raise UsageError(f"{exc}; usage: {usage}") from None
+        raise UsageError(f"{exc}; usage: {_escape(magic_func)[1:]}{usage}") from None
+
+
+def _escape(magic_func) -> str:
+    """``%%`` for a cell magic (argparse's usage line says ``%name`` for every magic), else ``%``."""
+    kinds = getattr(getattr(magic_func, "__self__", None), "magics", {})
+    name = getattr(magic_func, "__name__", "")
+    return "%%" if name in kinds.get("cell", {}) and name not in kinds.get("line", {}) else "%"

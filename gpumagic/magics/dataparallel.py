@@ -76,12 +76,12 @@ class DataParallelMagics(Magics):
               help="line form only: 'status' (the worker pool, or the cluster's ranks), 'stop' (end the worker "
                    "processes), 'cluster start' / 'cluster stop' / 'cluster status' (an ipyparallel cluster whose "
                    "engines are the ranks of --cluster cells)")
-    @argument("verb", nargs="?", default=None, help="after 'cluster': start or stop")
+    @argument("verb", nargs="?", default=None, help="after 'cluster': start, stop or status")
     @argument("--devices", default=None,
               help="comma-separated devices, one rank each: '0,1', 'cuda:0,cuda:1', or 'cpu' with --nprocs")
     @argument("--nprocs", "-n", type=int, default=None,
-              help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU; with --cluster, "
-                   "the first N engines; with 'cluster start', the engines to start")
+              help="number of ranks: the first N GPUs, or N CPU processes where there is no GPU (default: one per "
+                   "GPU, else 2); with --cluster, the first N engines; with 'cluster start', the engines to start")
     @argument("--strategy", default="ddp", choices=["ddp", "fsdp", "dp"],
               help="ddp (default): one worker process per device with DistributedDataParallel; "
                    "fsdp: one worker process per device, parameters, gradients and optimizer state sharded "
@@ -161,12 +161,14 @@ class DataParallelMagics(Magics):
         if args.action is not None or args.verb is not None:
             raise usage_error(f"{args.action!r} belongs to the line form (%dataparallel {args.action}); "
                               "the cell form takes only options", ["--devices", "--nprocs", "--strategy"])
-        cluster_start = [flag for flag, given in (("--engines", args.engines != "local"),
-                                                  ("--profile", args.profile is not None)) if given]
+        cluster_start = [(flag, value) for flag, value, given in (
+            ("--engines", args.engines, args.engines != "local"),
+            ("--profile", args.profile, args.profile is not None)) if given]
         if cluster_start:
-            raise usage_error(f"{' '.join(cluster_start)} belong(s) to %dataparallel cluster start; the cell form "
-                              "finds a cluster with --cluster [PROFILE_OR_FILE]",
-                              ["--cluster", "%dataparallel cluster start " + " ".join(cluster_start)])
+            raise usage_error(f"{' '.join(flag for flag, _ in cluster_start)} belong(s) to %dataparallel cluster "
+                              "start; the cell form finds a cluster with --cluster [PROFILE_OR_FILE]",
+                              ["--cluster", "%dataparallel cluster start "
+                               + " ".join(f"{flag} {value}" for flag, value in cluster_start)])
         from ..cell.compile import is_empty
         from ..dataparallel.plan import make_plan
         plan = make_plan(devices=args.devices, nprocs=args.nprocs, strategy=args.strategy, models=args.model,
@@ -213,7 +215,7 @@ class DataParallelMagics(Magics):
         from ..dataparallel import cluster_setup as cluster
         verb = args.verb
         if verb not in _CLUSTER_ACTIONS:
-            raise usage_error(f"%dataparallel cluster {verb or ''}: start, stop or status".replace("  ", " "),
+            raise usage_error(f"%dataparallel cluster{' ' + verb if verb else ''}: start, stop or status",
                               ["%dataparallel cluster start --engines local -n 2", "%dataparallel cluster stop",
                                "%dataparallel status"])
         if verb == "status":

@@ -131,7 +131,7 @@ class InfoMagics(Magics):
 
     @magic_arguments()
     @argument("device", nargs="?", default=None,
-              help="show one device: cpu, cuda, cuda:N, N, mps, meta (default: all)")
+              help="show one device: cpu, cuda (or gpu), cuda:N, N, mps, meta (default: all)")
     @argument("--all", action="store_true", dest="all_attributes",
               help="add every CUDA attribute through pycuda (asked in a short-lived subprocess)")
     @argument("--json", action="store_true", help="return the facts as a plain dict instead of showing them")

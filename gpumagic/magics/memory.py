@@ -92,7 +92,7 @@ class MemoryMagics(Magics):
 
     @magic_arguments()
     @argument("device", nargs="?", default=None,
-              help="one device: cpu, cuda, cuda:N, N, mps (default: every device)")
+              help="one device: cpu, cuda (or gpu), cuda:N, N, mps (default: every device)")
     @argument("--watch", action="store_true",
               help="live gauges, one per device, fed by one background thread (notebook only)")
     @argument("--interval", type=float, default=None, metavar="S",
