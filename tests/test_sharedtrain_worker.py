@@ -27,3 +27,25 @@ def test_gpu_values_reported_are_read_when_sent(monkeypatch):
     channel.last_flush = time.monotonic() + 3600  # nothing is sent (and read) during this check
     channel.report(loss=meta)
     assert isinstance(channel.buffer[-1]["loss"], torch.Tensor)
+
+
+def test_report_steps_count_optimizer_steps_else_training_batches_else_reports():
+    def steps_reported(actions) -> list:
+        sent: list = []
+        channel = sharedtrain_worker.Channel(sent.append, t0=time.monotonic())
+        for action in actions:
+            if action == "batch":
+                channel.step(torch.zeros(4, 2))
+            elif action == "eval-batch":
+                with torch.no_grad():
+                    channel.step(torch.zeros(4, 2))
+            elif action == "opt":
+                channel.optimizer_step()
+            else:
+                channel.report(loss=1.0)
+        entries = [entry for tick in sent for entry in tick[5]] + channel.buffer
+        return [entry["step"] for entry in entries]
+    assert steps_reported(["batch", "opt", "report", "batch", "opt", "report"]) == [1, 2]
+    # updates by hand (no optimizer): the training batches taken so far; an evaluation pass counts none
+    assert steps_reported(["batch", "batch", "report", "eval-batch", "batch", "report"]) == [2, 3]
+    assert steps_reported(["report", "report"]) == [1, 2]   # neither: the reports so far

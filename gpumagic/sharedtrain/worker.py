@@ -61,6 +61,7 @@ class Channel:
             return   # an evaluation pass: no training step
         self.batches += 1
         self.samples += _batch_len(batch)
+        self.counting = True   # (updates by hand count by the batches, as :attr:`steps` says)
         self._stepped()
 
     def optimizer_step(self, *args) -> None:
