@@ -57,7 +57,8 @@ from gpumagic.dataparallel.plan import Plan, check_launch  # noqa: E402
 def test_launch_refuses_the_ddp_wrapper_options_naming_them(kwargs, flags):
     with pytest.raises(UsageError) as err:
         make_plan(launch=True, gpus=[], **kwargs)
-    assert str(err.value).startswith(f"{flags} configure gpumagic's DDP wrapper, and with --launch the cell's own")
+    verb = "configure" if "," in flags else "configures"
+    assert str(err.value).startswith(f"{flags} {verb} gpumagic's DDP wrapper, and with --launch the cell's own")
     assert "valid choices: --devices, --nprocs" in str(err.value)
     plan = make_plan(gpus=[], **kwargs)               # without --launch they are fine...
     with pytest.raises(UsageError, match=f"^{flags} configure .* in launch mode \\(the cell builds a Lightning"):

@@ -132,7 +132,8 @@ def check_launch(plan: Plan, why: str) -> None:
             if given]
     reason = "with --launch" if why == "--launch" else f"in launch mode ({why})"
     if ours:
-        raise usage_error(f"{', '.join(ours)} configure gpumagic's DDP wrapper, and {reason} the cell's own code "
+        verb = "configures" if len(ours) == 1 else "configure"
+        raise usage_error(f"{', '.join(ours)} {verb} gpumagic's DDP wrapper, and {reason} the cell's own code "
                           "distributes: set them there (for example DistributedDataParallel(static_graph=True), "
                           "torch.compile(model)), or drop them", ["--devices", "--nprocs", "--backend", "--timeout",
                                                                    "--all-output", "--seed", "--model"])
