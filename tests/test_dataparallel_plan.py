@@ -61,7 +61,7 @@ def test_launch_refuses_the_ddp_wrapper_options_naming_them(kwargs, flags):
     assert str(err.value).startswith(f"{flags} {verb} gpumagic's DDP wrapper, and with --launch the cell's own")
     assert "valid choices: --devices, --nprocs" in str(err.value)
     plan = make_plan(gpus=[], **kwargs)               # without --launch they are fine...
-    with pytest.raises(UsageError, match=f"^{flags} configure .* in launch mode \\(the cell builds a Lightning"):
+    with pytest.raises(UsageError, match=f"^{flags} configures? .* in launch mode \\(the cell builds a Lightning"):
         check_launch(plan, "the cell builds a Lightning Trainer (L.Trainer)")   # ...until the cell says launch
 
 
