@@ -34,6 +34,7 @@ from .cpus import usable_cpus
 from .failures import primary_error, same_failure
 from .follow_kernel import KernelView
 from .group import WorkerGroup
+from .teardown import interrupts_deferred
 from .worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -144,16 +145,22 @@ class WorkerPool(WorkerGroup):
         self._close("dead", wait=0.0)
 
     def _close(self, state: str, wait: float) -> None:
-        self.end(wait=wait)
-        if self._store is not None:
-            self._store.close()
-        self._store = None
-        self.held = set()
-        if self._outgoing is not None:
-            self._outgoing.close()
-            self._outgoing = None
-        self.state = state
-        _live_pools.discard(self)
+        # An interrupt (often the user's second) is held until the ranks are gone: cut short, it
+        # would leave a rank that ignores SIGTERM running the cell in a pool still marked running,
+        # and the next cell would wait on it forever.
+        with interrupts_deferred() as interrupted:
+            self.end(wait=wait)
+            if self._store is not None:
+                self._store.close()
+            self._store = None
+            self.held = set()
+            if self._outgoing is not None:
+                self._outgoing.close()
+                self._outgoing = None
+            self.state = state
+            _live_pools.discard(self)
+        if interrupted:
+            raise KeyboardInterrupt
 
     # ---- running tasks
     @property
