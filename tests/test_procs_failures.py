@@ -33,6 +33,18 @@ def test_tracebacks_start_at_the_cell_and_name_it_as_ipython_does():
     assert "_raise_from_cell" not in tb and "test_procs_failures" not in tb   # frames before the cell's go
 
 
+def test_an_exception_whose_str_fails_is_still_described():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+    try:
+        raise Unprintable()
+    except Unprintable as exc:
+        info = exception_info(0, exc)
+    assert info["exc_type"] == "Unprintable" and info["message"] == "<exception str() failed>"
+    assert "raise Unprintable()" in info["traceback"]
+
+
 def test_deaths_say_how():
     killed = death_info(0, 10, -signal.SIGKILL)["message"]
     assert killed == "the worker was killed by signal 9 (SIGKILL: out of memory?)"

@@ -12,6 +12,7 @@ The worker half imports neither IPython nor torch.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -20,6 +21,8 @@ import traceback
 from ..cell.compile import cell_label, is_cell
 
 __all__ = ["exception_info", "death_info", "primary_error", "same_failure", "relabel"]
+
+logger = logging.getLogger(__name__)
 
 # Errors after which the process group or the CUDA context is not to be trusted.
 _POISONING = ("DistBackendError", "DistNetworkError", "DistStoreError", "AcceleratorError", "OutOfMemoryError")
@@ -40,8 +43,18 @@ def exception_info(rank: int, exc: BaseException) -> dict:
     """
     te = traceback.TracebackException.from_exception(exc)
     _trim(te)
-    return {"rank": rank, "pid": os.getpid(), "exc_type": type(exc).__name__, "message": relabel(str(exc)),
+    return {"rank": rank, "pid": os.getpid(), "exc_type": type(exc).__name__, "message": relabel(_text(exc)),
             "traceback": relabel("".join(te.format()))}
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what ``traceback`` writes where the exception's own ``__str__`` fails: that
+    failure would otherwise end the worker without a word about the cell's exception."""
+    try:
+        return str(exc)
+    except Exception:  # any failure of the user's __str__
+        logger.debug("str() of a %s failed", type(exc).__name__, exc_info=True)
+        return "<exception str() failed>"
 
 
 def _trim(te: traceback.TracebackException) -> None:
