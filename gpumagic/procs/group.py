@@ -168,7 +168,14 @@ class WorkerGroup:
                     show(msg)   # what the cell displayed on a rank whose output the cell shows
                     continue
                 elif msg[0] == "done":
-                    results[rank] = (msg[1], self._incoming_for(rank).receive(self.ranks[rank].conn, msg[2]))
+                    try:
+                        data = self._incoming_for(rank).receive(self.ranks[rank].conn, msg[2])
+                    except (EOFError, OSError):
+                        # it died between its result and the result's bytes (killed while sending them)
+                        logger.debug("rank %s went away while sending its result", rank, exc_info=True)
+                        errors[rank] = self._death(rank)
+                    else:
+                        results[rank] = (msg[1], data)
                 elif msg[0] == "error":
                     errors[rank] = msg[1]
                 else:

@@ -176,6 +176,8 @@ def starting(method: str = "spawn"):
         # torch; gpumagic/__init__ removes it there again.
         os.environ[bytecode.WORKER_ENV] = cache
     try:
+        if method == "forkserver":
+            _ensure_server()
         yield
     finally:
         if saved_main is not None:
@@ -184,6 +186,25 @@ def starting(method: str = "spawn"):
             os.environ.pop(bytecode.WORKER_ENV, None)
         else:
             os.environ[bytecode.WORKER_ENV] = saved_env
+
+
+def _ensure_server() -> None:
+    """Start multiprocessing's fork server, where it is not running yet, with Ctrl-C ignored.
+
+    Jupyter interrupts the kernel's whole process group, the server too, which ignores Ctrl-C only
+    once it has imported its preload list (torch: seconds): interrupted before, it would die, and
+    the workers waiting on it fail with an ``EOFError``. "Ignored" is the one disposition an exec
+    keeps.
+    """
+    from multiprocessing import forkserver
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def start_process(ctx, target, args: tuple, name: str):
