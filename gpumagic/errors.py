@@ -11,9 +11,13 @@ One error path per kind:
 """
 from __future__ import annotations
 
+import os
+
 from IPython.core.error import UsageError
 
-__all__ = ["UsageError", "WorkerError", "WorkerDied", "CellInterrupted", "usage_error"]
+__all__ = ["UsageError", "WorkerError", "WorkerDied", "CellInterrupted", "usage_error", "release_frames"]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def usage_error(what: str, choices=None) -> UsageError:
@@ -73,3 +77,29 @@ class CellInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self):
         return [f"KeyboardInterrupt: {self}" if str(self) else "KeyboardInterrupt"]
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drop the locals of gpumagic's finished frames in ``exc``'s traceback (and those it chains to).
+
+    A failed cell's traceback stays with the notebook (``sys.last_traceback``, and in reference cycles
+    until the garbage collector runs), and gpumagic's frames in it hold what the cell shipped: the
+    workers' shared-memory buffer, the model's size, once per failed cell. Their locals show nowhere
+    (worker errors render the workers' traceback; interrupts a line).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:   # still running: the magic's own frame, which ends with the cell
+                    pass
+            tb = tb.tb_next
+        pending += [current.__cause__, current.__context__]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import copy
+import gc
 import os
 import re
 import signal
@@ -443,6 +444,26 @@ def test_a_rank_that_dies_is_reported_and_the_pool_replaced(shell):
                            "if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n")
     assert err.value.rank == 1 and "killed by signal 9" in err.value.message
     assert wait_dead(pids) == []
+    dp_cell(shell, CPU2, "ok = 3\nmodel(X)\n")
+    assert shell.user_ns["ok"] == 3
+
+
+def test_a_failed_cell_leaves_no_shared_memory_mapped_in_the_kernel(shell):
+    # The failed cell's traceback stays with the notebook (and in cycles until the garbage collector
+    # runs); gpumagic's frames in it held the dead pool's buffer, the shipped model's size, each time.
+    def bulk_mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum("gpumagic-bulk" in line for line in maps)
+    run_cell(shell, SETUP.format(shuffle=False) + "big = torch.zeros(2_000_000)\n")
+    gc.disable()
+    try:
+        for _ in range(2):
+            with pytest.raises(WorkerDied) as err:
+                dp_cell(shell, CPU2, "import os, signal\nout = model(X) + big.sum()\n"
+                                     "os.kill(os.getpid(), signal.SIGKILL)\n")
+            assert bulk_mappings() == 0, err.value
+    finally:
+        gc.enable()
     dp_cell(shell, CPU2, "ok = 3\nmodel(X)\n")
     assert shell.user_ns["ok"] == 3
 

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import display
-from ..errors import CellInterrupted, usage_error
+from ..errors import CellInterrupted, release_frames, usage_error
 from .args import oversubscribe, parse
 
 __all__ = ["DataParallelMagics", "pool_status"]
@@ -191,8 +191,12 @@ class DataParallelMagics(Magics):
         except SyntaxError as exc:
             exc.__traceback__ = None  # IPython lists a SyntaxError's frames; ours say nothing
             raise exc
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            release_frames(exc)
             raise CellInterrupted from None
+        except BaseException as exc:
+            release_frames(exc)   # (they hold the cell's shipped tensors until the garbage collector runs)
+            raise
         if result.not_returned:
             display.note("not brought back (they end with the cell): " + ", ".join(result.not_returned)
                          + _keep_hint(result.not_returned))

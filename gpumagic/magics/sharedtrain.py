@@ -10,7 +10,7 @@ from __future__ import annotations
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import CellInterrupted
+from ..errors import CellInterrupted, release_frames
 from .args import oversubscribe, parse
 
 __all__ = ["SharedTrainMagics"]
@@ -78,6 +78,7 @@ class SharedTrainMagics(Magics):
             if partial is not None:
                 self.shell.user_ns[RESULT_NAME] = partial
             progress.stopped(partial, exc)
+            release_frames(exc)   # (they hold the cell's shipped tensors until the garbage collector runs)
             if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, CellInterrupted):
                 # as %%dataparallel: where the kernel happened to be waiting is not the user's concern
                 raise CellInterrupted from None
