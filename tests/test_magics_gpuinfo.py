@@ -198,3 +198,32 @@ def test_gpuinfo_never_initialises_cuda(shell, fake_machine):
         shell.run_line_magic("gpuinfo", "")
     assert not torch.cuda.is_initialized()
     assert session.picked_device() is None
+
+
+def test_odd_visible_devices_are_quoted_and_escaped(notebook, fake_machine, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")           # hides every GPU; the note must show it
+    report = notebook.run_line_magic("gpuinfo", "--json")
+    assert [d["device"] for d in report["devices"]] == ["cpu"]
+    assert report["notes"] == ["NVML sees no GPU visible to this process (CUDA_VISIBLE_DEVICES='')"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "<b>7</b>")   # out of range, and markup in a note
+    with capture_output(display=True) as cap:
+        notebook.run_line_magic("gpuinfo", "")
+    html = next(o.data["text/html"] for o in cap.outputs if "text/html" in o.data)
+    assert "<b>7</b>" not in html and "CUDA_VISIBLE_DEVICES=&#x27;&lt;b&gt;7&lt;/b&gt;&#x27;" in html
+    notebook.run_line_magic("unload_ext", "gpumagic")        # close the picker
+    notebook.run_line_magic("load_ext", "gpumagic")
+
+
+def test_a_picker_shows_a_picked_device_that_is_gone(notebook, fake_machine, monkeypatch):
+    from gpumagic.widgets.picker import DevicePicker
+    gpumagic.set_current_device("cuda:3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")        # cuda:3 no longer exists
+    picker = DevicePicker()
+    try:
+        # Cells still go to cuda:3 (and fail there): the picker must not show another device.
+        assert picker.value == "cuda:3" == session.picked_device()
+        assert picker.widget.options[-1] == ("cuda:3: not visible now", "cuda:3")
+        picker.value = "cuda:1"
+        assert session.picked_device() == "cuda:1"
+    finally:
+        picker.close()

@@ -88,3 +88,22 @@ def test_json_returns_the_reports_data_and_shows_nothing(shell, no_cuda_init):
     for action in ("--watch", "--stop"):
         with pytest.raises(UsageError, match=f"--json returns a report's data; {action} has none"):
             shell.run_line_magic("gpumem", f"{action} --json")
+
+
+def test_json_keeps_the_notes_and_the_history_note_names_only_what_it_alone_holds(shell, no_cuda_init):
+    run_cell(shell, "import torch\nweights = torch.zeros(256, 1024)")
+    run_cell(shell, "weights")                          # Out[...] holds what `weights` holds: nothing to free
+    for magic in ("--vars", "--free"):
+        _, out, _ = run_cell(shell, f"%gpumem {magic}")
+        assert "output history" not in out
+    run_cell(shell, "torch.ones(1024)")                 # Out[...] alone holds this one
+    held = shell.run_line_magic("gpumem", "--vars --json")
+    assert held["notes"] == ["the output history (Out[...]) still holds tensors: 4.0 KiB on cpu that no "
+                             "variable holds; `%reset -f out` lets them go."]
+    assert held["variables"][0]["truncated"] is False
+
+
+def test_an_empty_visible_devices_is_named_as_what_hides_the_gpus(shell, machine, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _, out, _ = run_cell(shell, "%gpumem")
+    assert "no GPU visible: CUDA_VISIBLE_DEVICES=''." in out and "cuda:0" not in out

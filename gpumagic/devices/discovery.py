@@ -169,6 +169,12 @@ def _cuda_order(gpus: list[dict], order: str | None) -> list[dict]:
     return sorted(by_pci, key=lambda g: (-g["cc"][0], -g["cc"][1], -g["sms"]))
 
 
+def visible_devices_setting() -> str:
+    """``CUDA_VISIBLE_DEVICES`` as notes quote it: an empty value (which hides every GPU) shows."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "CUDA_VISIBLE_DEVICES unset" if spec is None else f"CUDA_VISIBLE_DEVICES={spec!r}"
+
+
 def _parse_visible(spec: str, ordered: list[dict]) -> list[tuple[dict, dict | None]]:
     """Apply ``CUDA_VISIBLE_DEVICES`` the way the CUDA driver does.
 

@@ -9,7 +9,6 @@ allocator figures (:func:`.memory.torch_allocator`) join once the user has.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 from typing import Any
 
@@ -21,6 +20,7 @@ from .discovery import (
     normalize_bus_id,
     torch_cpu_only,
     torch_cuda_initialized,
+    visible_devices_setting,
     visible_gpus,
 )
 from .memory import torch_allocator
@@ -51,8 +51,7 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     if not nvml.available():
         notes.append(f"{nvml.unavailable_reason()}; GPU facts come from NVML (nvidia-ml-py and an NVIDIA driver)")
     elif not gpus:
-        notes.append("NVML sees no GPU visible to this process (CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        notes.append(f"NVML sees no GPU visible to this process ({visible_devices_setting()})")
     elif torch_cpu_only():
         notes.append(cpu_only_note())
     if device in (None, "cpu"):

@@ -305,6 +305,7 @@ def snapshot(device: str | None = None, gpus=None) -> MemorySnapshot:
         notes.append("this kernel's GPU share is n/a: NVML lists processes by pids "
                      "of another pid namespace (a container).")
     if device is None and not gpus:
-        reason = nvml.unavailable_reason()
-        notes.append(f"no GPU visible{': ' + reason if reason else ''}.")
+        # With NVML working, the environment hid the GPUs (an empty or invalid CUDA_VISIBLE_DEVICES).
+        reason = nvml.unavailable_reason() or devices.visible_devices_setting()
+        notes.append(f"no GPU visible: {reason}.")
     return MemorySnapshot(rows, notes)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-import types
-from collections.abc import Iterable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from ..display import fmt_bytes, html_table, text_table
 from . import discovery as devices
+from .storages import Collector
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,10 @@ class VarsReport:
     def as_dict(self) -> dict:
         return {
             "variables": [{"name": r.name, "type": r.type, "device": r.device, "bytes": r.nbytes,
-                           "parts": dict(r.parts), "shared": r.shared} for r in self.rows],
+                           "parts": dict(r.parts), "shared": r.shared, "truncated": r.truncated}
+                          for r in self.rows],
             "totals": dict(self.totals),
+            "notes": list(self.notes),
         }
 
     def _cells(self) -> list[list[str]]:
@@ -109,110 +111,25 @@ class VarsReport:
         return self.text()
 
 
-class _Collector:
-    """Storages one variable reaches: key -> (device, bytes, part)."""
-
-    def __init__(self, torch, max_depth: int, max_items: int):
-        self.torch = torch
-        self.max_depth = max_depth
-        self.max_items = max_items
-        self.storages: dict[tuple, tuple[str, int, str]] = {}
-        self.visited: set[int] = set()
-        self.truncated = False
-
-    def add_tensor(self, t, part: str) -> None:
-        device = t.device
-        if device.type == "meta":  # shapes only, no bytes anywhere
-            return
-        device = "mps" if device.type == "mps" else str(device)
-        try:
-            if t.is_sparse:
-                self.add_tensor(t._indices(), part)
-                self.add_tensor(t._values(), part)
-                return
-            if t.layout in (self.torch.sparse_csr, self.torch.sparse_csc,
-                            self.torch.sparse_bsr, self.torch.sparse_bsc):
-                compressed, plain = ((t.crow_indices(), t.col_indices())
-                                     if t.layout in (self.torch.sparse_csr, self.torch.sparse_bsr)
-                                     else (t.ccol_indices(), t.row_indices()))
-                for piece in (compressed, plain, t.values()):
-                    self.add_tensor(piece, part)
-                return
-            storage = t.untyped_storage()
-            key: tuple = (device, storage.data_ptr())
-            nbytes = int(storage.nbytes())
-            if storage.data_ptr() == 0:  # empty storages all sit at 0
-                key = (device, "empty", id(storage))
-        except Exception:
-            # Wrapper subclasses without a storage: count the elements they expose.
-            logger.debug("a %s has no storage to read; counting its elements", type(t).__name__, exc_info=True)
-            key = (device, "tensor", id(t))
-            nbytes = int(t.numel() * t.element_size())
-        self.storages.setdefault(key, (device, nbytes, part))
-
-    def walk(self, obj, depth: int = 0, part: str = "tensors") -> None:
-        torch = self.torch
-        if isinstance(obj, torch.Tensor):
-            self.add_tensor(obj, part)
-            if obj.is_leaf and obj.grad is not None:
-                self.add_tensor(obj.grad, "grads")
-            return
-        if id(obj) in self.visited or depth > self.max_depth:
-            return
-        self.visited.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                self.add_tensor(p, "params")
-            for b in obj.buffers():
-                self.add_tensor(b, "buffers")
-            for p in obj.parameters():
-                if p.grad is not None:
-                    self.add_tensor(p.grad, "grads")
-            return
-        if isinstance(obj, torch.optim.Optimizer):
-            # The optimizer's parameters belong to their model; its own memory is the state.
-            for state in list(obj.state.values()):
-                for value in (state.values() if isinstance(state, dict) else (state,)):
-                    self.walk(value, depth + 1, "state")
-            return
-        items: Iterable
-        if isinstance(obj, dict):
-            items = obj.values()
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            items = obj
-        elif isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, _NOT_HOLDERS):
-            # an object's attributes (a dataset, a loader, a Trainer, an instance of a notebook class)
-            items = list(vars(obj).values())
-        else:
-            return
-        for i, item in enumerate(items):
-            if i >= self.max_items:
-                self.truncated = True
-                break
-            self.walk(item, depth + 1, part)
-
-
-# Objects whose attributes are not data a variable holds: modules, classes, functions.
-_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-
-
 def _is_user_variable(name: str, hidden) -> bool:
     return not name.startswith("_") and name not in hidden
 
 
 def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
-                    max_depth: int = 4, max_items: int = 100_000, history: dict | None = None) -> VarsReport:
+                    max_depth: int = 6, max_items: int = 100_000, history: dict | None = None) -> VarsReport:
     """Which variables in ``user_ns`` hold tensor memory, on which device, largest first.
 
-    Tensors, modules (parameters, buffers, gradients), optimizers (their
-    state) and tensors inside lists, tuples, sets, dicts and objects'
-    attributes (``max_depth`` levels deep, ``max_items`` per container).
+    Tensors, modules (parameters, buffers, gradients, tensors kept as plain
+    attributes), optimizers (their state; their parameters too where no
+    variable holds the model) and tensors inside lists, tuples, sets, dicts,
+    objects' attributes and slots and started generators' locals
+    (``max_depth`` levels deep, ``max_items`` per container).
     ``history`` (IPython's ``Out``) is not a variable, but a note says what
-    it holds. Each row counts every storage
+    it alone holds. Each row counts every storage
     it reaches once, so a view costs what its whole storage costs and tied
-    weights count once; ``totals`` counts each storage once over all rows.
+    weights count once; ``totals`` counts each byte once over all rows.
     Names starting with ``_`` and names in ``hidden`` (IPython's own) are
-    skipped. Never imports torch and never initialises CUDA.
+    skipped. Never imports torch, never initialises CUDA, never reads a property.
 
     In a notebook::
 
@@ -224,27 +141,9 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
     torch = _torch()
     if torch is None:  # no torch imported, so no tensors exist
         return VarsReport([], {})
-    hidden = set(hidden)
-    per_var: dict[str, tuple[str, _Collector]] = {}
-    owners: dict[tuple, set[str]] = {}
-    for name, value in list(user_ns.items()):
-        if not _is_user_variable(name, hidden):
-            continue
-        collector = _Collector(torch, max_depth, max_items)
-        try:
-            collector.walk(value)
-        except Exception:  # an odd object must not spoil the report
-            logger.debug("skipping variable %r: walking it for tensors failed", name, exc_info=True)
-            continue
-        if not collector.storages:
-            continue
-        per_var[name] = (type(value).__name__, collector)
-        for key in collector.storages:
-            owners.setdefault(key, set()).add(name)
-
+    per_var, owners = _collect(torch, user_ns, hidden, max_depth, max_items)
     rows: list[VarMemory] = []
-    totals: dict[str, int] = {}
-    counted: set[tuple] = set()
+    counted: dict[tuple, tuple[str, int]] = {}
     for name, (type_name, collector) in per_var.items():
         by_device: dict[str, VarMemory] = {}
         for key, (dev, nbytes, part) in collector.storages.items():
@@ -257,27 +156,104 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
             row.parts[part] = row.parts.get(part, 0) + nbytes
             if len(owners[key]) > 1:
                 row.shared += nbytes
-            if key not in counted:
-                counted.add(key)
-                totals[dev] = totals.get(dev, 0) + nbytes
+            if key not in counted or nbytes > counted[key][1]:
+                counted[key] = (dev, nbytes)
         rows.extend(r for r in by_device.values() if r.nbytes)
     rows.sort(key=lambda r: (-r.nbytes, r.name, r.device))
     notes = []
     if any(r.shared for r in rows):
         notes.append("shared: bytes other listed variables hold too (views, tied weights, "
                      "the same tensor under two names); totals count them once.")
+    if any(r.truncated for r in rows):
+        notes.append(f"(first items only): a container had more than {max_items} items; the rest were not read.")
     if history:
-        notes += _history_note(history, device)
+        notes += _history_note(history, device, lambda: owners)
+    totals = _totals(counted)
     return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes)
 
 
-def _history_note(history: dict, device: str | None) -> list[str]:
-    """What IPython's output history (``Out``) keeps alive: no variable, yet memory nothing frees."""
-    kept = variable_memory({"Out": history}, device=device).totals
+def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int):
+    """Each listed variable's collector, and which variables reach each storage."""
+    hidden = set(hidden)
+    per_var: dict[str, tuple[str, Collector]] = {}
+    walked: dict[int, Collector] = {}   # one walk per object, however many names it has
+    slots: dict = {}
+    for name, value in list(user_ns.items()):
+        if not _is_user_variable(name, hidden):
+            continue
+        collector = walked.get(id(value))
+        if collector is None:
+            collector = Collector(torch, max_depth, max_items, slots)
+            try:
+                collector.walk(value)
+            except Exception:  # an odd object must not spoil the report
+                logger.debug("skipping variable %r: walking it for tensors failed", name, exc_info=True)
+                continue
+            walked[id(value)] = collector
+        if collector.storages or collector.via_optimizer:
+            per_var[name] = (type(value).__name__, collector)
+    owners: dict[tuple, set[str]] = {}
+    for name, (_, collector) in per_var.items():
+        for key in collector.storages:
+            owners.setdefault(key, set()).add(name)
+    # An optimizer's parameters count for it only where no variable holds them (`del model`
+    # leaves them, and their gradients, alive through the optimizer alone).
+    orphans: dict[tuple, set[str]] = {}
+    for name, (_, collector) in per_var.items():
+        for key in collector.via_optimizer:
+            if key not in owners:
+                orphans.setdefault(key, set()).add(name)
+    for name, (_, collector) in per_var.items():
+        for key, record in collector.via_optimizer.items():
+            if name in orphans.get(key, ()):
+                collector.storages.setdefault(key, record)
+    for key, names in orphans.items():
+        owners[key] = names
+    return per_var, owners
+
+
+def _totals(counted: dict[tuple, tuple[str, int]]) -> dict[str, int]:
+    """Bytes per device, each byte once: storages over one memory (torch.from_numpy of
+    an array and of a slice of it) overlap, so address ranges are merged."""
+    totals: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for key, (dev, nbytes) in counted.items():
+        # CPU and CUDA pointers are addresses; MPS's are buffer handles, whose ranges mean nothing.
+        if isinstance(key[1], int) and (dev == "cpu" or dev.startswith("cuda:")):
+            spans.setdefault(dev, []).append((key[1], key[1] + nbytes))
+        else:
+            totals[dev] = totals.get(dev, 0) + nbytes
+    for dev, ranges in spans.items():
+        end = 0
+        for start, stop in sorted(ranges):
+            start = max(start, end)
+            if stop > start:
+                totals[dev] = totals.get(dev, 0) + stop - start
+                end = stop
+    return totals
+
+
+def _history_note(history: dict, device: str | None, held: Callable[[], Container]) -> list[str]:
+    """What IPython's output history (``Out``) alone keeps alive: memory no variable holds,
+    yet nothing frees. Storages ``held()`` names (a variable's too) are left out: resetting
+    would not free them. ``held`` is called only when the history holds tensors at all."""
+    collector = Collector(_torch(), 6, 100_000)
+    try:
+        collector.walk(history)
+    except Exception:
+        logger.debug("walking the output history for tensors failed", exc_info=True)
+        return []
+    kept: dict[str, int] = {}
+    held_keys = held() if collector.storages else ()
+    for key, (dev, nbytes, _) in collector.storages.items():
+        if key not in held_keys and (device is None or dev == device):
+            kept[dev] = kept.get(dev, 0) + nbytes
+    kept = {d: b for d, b in kept.items() if b}
     if not kept:
         return []
-    held = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
-    return [f"the output history (Out[...]) still holds tensors: {held}; `%reset -f out` lets them go."]
+    held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+    return [f"the output history (Out[...]) still holds tensors: {held_text} that no variable holds; "
+            "`%reset -f out` lets them go."]
 
 
 # --------------------------------------------------------------------------- freeing
@@ -342,14 +318,16 @@ class FreeReport:
         return self.text()
 
 
-def free_memory(device: str | None = None, history: dict | None = None) -> FreeReport:
+def free_memory(device: str | None = None, history: dict | None = None,
+                user_ns: dict | None = None, hidden=()) -> FreeReport:
     """Collect garbage and release torch's cached blocks; report what was freed.
 
     GPUs report torch's reserved bytes before and after (only devices this
     kernel initialised; the others hold nothing of ours); the CPU reports the
     kernel's resident memory. ``device`` limits the report, not the freeing
     (``gc`` and ``empty_cache`` act on everything). ``history`` (IPython's
-    ``Out``) is checked for tensors it keeps alive, which nothing can free.
+    ``Out``) is checked for tensors it alone keeps alive (no variable of
+    ``user_ns`` holds them), which nothing can free.
 
     In a notebook::
 
@@ -383,7 +361,9 @@ def free_memory(device: str | None = None, history: dict | None = None) -> FreeR
         rows.append(FreedRow("mps", mps_before, int(torch.mps.driver_allocated_memory()), "mps driver"))
     if device is not None:
         rows = [r for r in rows if r.device == device]
-    notes = _history_note(history, device) if history else []
+    notes = []
+    if history and torch is not None:
+        notes = _history_note(history, device, lambda: _collect(torch, user_ns or {}, hidden, 6, 100_000)[1])
     if not cuda and (device is None or device.startswith("cuda")):
         notes.append("this kernel has not initialised CUDA, so it holds no cached GPU blocks.")
     return FreeReport(rows, collected, notes)

@@ -1,6 +1,8 @@
 """``%gpuinfo``: every device, with the facts people look up, and a device picker."""
 from __future__ import annotations
 
+from html import escape
+
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -87,14 +89,14 @@ def render_report(report: dict) -> display.Rendered:
               f"CUDA initialised in this kernel: {'yes' if system['cuda_initialized'] else 'no'}")
     attr_rows = _attribute_rows(devs)
     text = display.text_table(rows, header) + "\n" + footer
-    html = display.html_table(rows, header) + f"<p>{footer}</p>"
+    html = display.html_table(rows, header) + f"<p>{escape(footer)}</p>"
     if attr_rows:
         gpu_header = ["CUDA attribute", *[d["device"] for d in devs if "attributes" in d]]
         text += "\n\n" + display.text_table(attr_rows, gpu_header)
         html += display.html_table(attr_rows, gpu_header)
     for note in report["notes"]:
         text += f"\nnote: {note}"
-        html += f"<p><i>note: {note}</i></p>"
+        html += f"<p><i>note: {escape(note)}</i></p>"  # notes quote the environment and NVML's errors
     return display.Rendered(text, html)
 
 

@@ -143,7 +143,8 @@ class MemoryMagics(Magics):
                                                device=device, history=self.shell.user_ns.get("Out"))
             return _report(self.shell, report, args.json)
         if args.free:
-            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"))
+            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"),
+                                          user_ns=self.shell.user_ns, hidden=self.shell.user_ns_hidden)
             return _report(self.shell, freed, args.json)
         return _report(self.shell, memory.snapshot(device, gpus), args.json)
 

@@ -50,13 +50,19 @@ class DevicePicker:
             report_devices = device_report()["devices"]
         # Only what a cell can run on: GPUs a CPU-only torch cannot use are shown by %gpuinfo, not offered.
         usable = devices.available_devices()
-        listed = [d for d in report_devices if d["device"] in usable and d["device"] != "meta"] + [{"device": "meta"}]
+        listed = [d for d in report_devices if d["device"] in usable and d["device"] != "meta"]
+        if "mps" in usable and all(d["device"] != "mps" for d in listed):  # %gpuinfo's table has no mps column
+            listed.append({"device": "mps", "name": "Apple Metal"})
+        listed.append({"device": "meta"})
         options = device_options(listed)
         current = devices.default_device()
-        values = [v for _, v in options]
+        if current not in [v for _, v in options]:
+            # The picked device is gone (CUDA_VISIBLE_DEVICES changed): show it as cells still
+            # see it, not some other device that cells would not run on.
+            options.append((f"{current}: not visible now", current))
         self.widget = w.Dropdown(
             options=options,
-            value=current if current in values else values[0],
+            value=current,
             description="Device:",
             style={"description_width": "initial"},
             layout=w.Layout(width="max-content"),
