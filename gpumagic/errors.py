@@ -49,6 +49,7 @@ class WorkerError(RuntimeError):
         self.message = message
         self.remote_traceback = remote_traceback
         self.all_errors: dict = {}
+        self.still_running: list = []   # ranks that had not finished the cell (stopped then)
         super().__init__(f"rank {rank} (pid {pid}) raised {exc_type}: {message}")
 
     def _render_traceback_(self):
@@ -56,6 +57,13 @@ class WorkerError(RuntimeError):
         head = f"WorkerError: rank {self.rank} (pid {self.pid}) raised {self.exc_type}"
         lines = [head, ""]
         lines += self.remote_traceback.rstrip("\n").splitlines() or [f"{self.exc_type}: {self.message}"]
+        if self.still_running:
+            # a collective that timed out names the rank that waited, not the one that never came
+            ranks = ", ".join(map(str, self.still_running))
+            which = "it" if len(self.still_running) == 1 else "they"
+            lines += ["", f"rank{'s' if len(self.still_running) > 1 else ''} {ranks} had not finished the cell "
+                          f"(stopped now): where a collective above timed out or failed, look at what {which} "
+                          f"did instead of reaching it."]
         return lines
 
     def __reduce__(self):

@@ -448,6 +448,20 @@ def test_a_rank_that_dies_is_reported_and_the_pool_replaced(shell):
     assert shell.user_ns["ok"] == 3
 
 
+def test_a_collective_timeout_names_the_rank_that_never_came(shell):
+    # rank 0 is the one whose barrier times out; rank 1, still sleeping, is the one to look at
+    run_cell(shell, SETUP.format(shuffle=False))
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        dp_cell(shell, f"{CPU2} --timeout 3", "import time, torch.distributed as dist\nout = model(X)\n"
+                                             "if dist.get_rank() == 1:\n    time.sleep(60)\ndist.barrier()\n")
+    assert err.value.rank == 0 and err.value.still_running == [1]
+    assert err.value._render_traceback_()[-1].startswith("rank 1 had not finished the cell (stopped now)")
+    assert time.monotonic() - started < 30
+    dp_cell(shell, CPU2, "ok = 4\nmodel(X)\n")   # a fresh pool
+    assert shell.user_ns["ok"] == 4
+
+
 def test_a_failed_cell_leaves_no_shared_memory_mapped_in_the_kernel(shell):
     # The failed cell's traceback stays with the notebook (and in cycles until the garbage collector
     # runs); gpumagic's frames in it held the dead pool's buffer, the shipped model's size, each time.

@@ -139,9 +139,10 @@ def _collateral(info: dict) -> bool:
     return any(s in text for s in _COLLATERAL)
 
 
-def primary_error(errors: dict):
+def primary_error(errors: dict, still_running=()):
     """The error to show for ``{rank: info}``: a real exception before a death before what others
-    suffered from it, lowest rank first. Every rank's info stays in ``.all_errors``."""
+    suffered from it, lowest rank first. Every rank's info stays in ``.all_errors``; the ranks that
+    had not finished (stopped then) in ``.still_running``."""
     from ..errors import WorkerDied, WorkerError  # kernel side only: errors imports IPython
     for info in errors.values():
         # The worker named cells as far as it could; the kernel's shell knows every cell's number.
@@ -153,4 +154,5 @@ def primary_error(errors: dict):
     cls = WorkerDied if e.get("died") else WorkerError
     err = cls(e["rank"], e.get("pid"), e["exc_type"], e["message"], e.get("traceback", ""))
     err.all_errors = errors
+    err.still_running = sorted(still_running)
     return err

@@ -205,7 +205,7 @@ class WorkerPool(WorkerGroup):
         if errors:
             if pending or not same_failure(errors, self.world_size):
                 self.kill()
-            raise primary_error(errors)
+            raise primary_error(errors, still_running=pending)
         return results
 
     def _send_task(self, task: str, meta, data) -> list:
