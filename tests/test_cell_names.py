@@ -19,6 +19,19 @@ def test_used_names_follow_notebook_functions():
     assert used_names(ast.parse("step()"), ns) == ["step", "model", "x"]
 
 
+def test_used_names_follow_decorated_functions_and_not_attribute_names():
+    # opt.step() in train_step made a notebook value called step count as read (a compiled function that
+    # cannot travel: the cell was refused); @torch.compile's wrapper hid the function from the search.
+    import functools
+    ns = {"__name__": "__main__"}
+    exec("def train_step(x):\n    opt.step()\n    return model(x)\n"
+         "def evaluate():\n    return model(test_x)\n"
+         "model = opt = test_x = 1\nstep = train_step\n", ns)
+    ns["evaluate_wrapped"] = functools.wraps(ns["evaluate"])(lambda *a: None)   # as @torch.no_grad() wraps
+    assert used_names(ast.parse("train_step(1)"), ns) == ["train_step", "opt", "model"]
+    assert used_names(ast.parse("evaluate_wrapped()"), ns) == ["evaluate_wrapped", "model", "test_x"]
+
+
 def test_free_reads_skip_names_the_cell_binds_first():
     src = ("it = iter(loader)\n"
            "for i in range(n):\n"

@@ -188,3 +188,17 @@ def test_the_notebooks_torch_compile_settings_apply_on_every_rank(shell):
         torch._dynamo.config._config["capture_scalar_outputs"].user_override.set(_UNSET_SENTINEL)
     dp_cell(shell, CPU2, read)
     assert shell.user_ns["flags"] == [False, False]
+
+
+@pytest.mark.parametrize("made, used, says", [
+    ("@torch.compile\ndef lossf(a, b):\n    return ((a - b) ** 2).mean()\n", "lossf(model(x), y)",
+     "lossf is a torch.compile'd function: compile the plain function inside the cell (lossf = torch.compile(fn))"),
+    ("smodel = torch.jit.script(Net())\n", "((smodel(x) - y) ** 2).mean()",
+     "smodel is a RecursiveScriptModule: train the nn.Module it was made from"),
+])
+def test_what_torch_compile_or_torchscript_made_in_the_notebook_is_refused_with_what_to_do(shell, made, used, says):
+    # The advice was "Create such objects inside the cell": a module made there trains no notebook weights.
+    run_cell(shell, SETUP.format(shuffle=False) + made)
+    with pytest.raises(UsageError) as err:
+        dp_cell(shell, CPU2, TRAIN.replace("((model(x) - y) ** 2).mean()", used))
+    assert says in str(err.value) and "Create such objects" not in str(err.value), str(err.value)

@@ -40,10 +40,11 @@ def _is_setting(value) -> bool:
 
 def apply_settings(module, settings: dict) -> None:
     """:func:`module_settings` of rank 0's module, set on the notebook's (whose structure matches)."""
+    # named_modules(), not get_submodule(): a TorchScript module has no get_submodule.
+    subs = dict(module.named_modules())
     for qualname, got in settings["modules"].items():
-        try:
-            sub = module.get_submodule(qualname)
-        except AttributeError:   # a layer without tensors that the cell added: the notebook's has none
+        sub = subs.get(qualname)
+        if sub is None:   # a layer without tensors that the cell added: the notebook's has none
             continue
         sub.training = got["training"]
         for k, v in got["attrs"].items():

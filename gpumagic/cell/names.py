@@ -11,6 +11,7 @@ In a notebook::
 from __future__ import annotations
 
 import ast
+import dis
 import re
 import types
 
@@ -101,6 +102,10 @@ def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
 
 def _code_objects(value, namespace):
     """Code of notebook functions (and of methods of notebook classes) that ``value`` is."""
+    # A notebook function under a decorator's wrapper (@torch.compile, @torch.no_grad()): the function.
+    while isinstance(value, types.FunctionType) and value.__globals__ is not namespace \
+            and isinstance(getattr(value, "__wrapped__", None), types.FunctionType):
+        value = value.__wrapped__
     if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
         yield value.__code__
     elif isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
@@ -111,8 +116,16 @@ def _code_objects(value, namespace):
                 yield attr.__code__
 
 
+# Instructions that name a global; co_names also holds attribute names (opt.step), which made a notebook
+# value called ``step`` (step = torch.compile(train_step)) count as read by every function calling opt.step().
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS", "STORE_GLOBAL", "STORE_NAME",
+                         "DELETE_GLOBAL", "DELETE_NAME"})
+
+
 def _global_names(code):
-    yield from code.co_names
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in _GLOBAL_OPS:
+            yield instruction.argval
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _global_names(const)

@@ -87,7 +87,7 @@ from collections.abc import Iterator
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
 from .placement_parallel import ParallelCalls
-from .placement_placed import PlacedCalls, remember, remembered
+from .placement_placed import PlacedCalls, bind_torch, remember, remembered
 from .placement_rewrite import (
     HELPER,
     LEGACY_TYPES,
@@ -115,6 +115,7 @@ class Placement(PlacedCalls, CudaCalls, ParallelCalls):
 
     def __init__(self, target=None) -> None:
         import torch
+        bind_torch(torch)
         self._torch = torch
         self.made_for: str | None = None
         self._types: dict[str, TypedTensor] = {}

@@ -32,16 +32,34 @@ from weakref import ref
 
 from .placement_values import says_cuda
 
-__all__ = ["remember", "remembered", "remember_module", "forget_all", "PlacedCalls"]
+__all__ = ["remember", "remembered", "remember_module", "forget_all", "bind_torch", "PlacedCalls"]
 
 _refs: dict[int, Any] = {}    # id(tensor) -> weakref.ref(tensor)
 _tensor_type: Any = None      # torch.Tensor, once a Placement has needed it (torch is imported late)
+_tracing: Any = None          # (torch.compiler.is_compiling, torch._C._is_tracing): bind_torch()
 _SWEEP_AT = 1024
 _sweep_at = _SWEEP_AT
 
 
+def _compiling() -> bool:
+    """Whether torch.compile or torch.jit.trace is tracing. Dynamo's tensors are stand-ins, and a record
+    of their ids a side effect it cannot replay (``fullgraph=True`` failed, else the function ran
+    uncompiled); a trace must not depend on which inputs were remembered (its check runs it again on
+    copies of the inputs, and ``.cuda()`` traced as a copy once and as none then failed it)."""
+    # (looked up beforehand: a lookup on first use was a global dynamo guarded on, and traced again for)
+    return _tracing is not None and (_tracing[0]() or _tracing[1]())
+
+
+def bind_torch(torch) -> None:
+    """Look up what :func:`_compiling` calls; a :class:`~.placement.Placement` does as it is made."""
+    global _tracing
+    _tracing = (torch.compiler.is_compiling, torch._C._is_tracing)
+
+
 def remember(tensor) -> None:
-    """``tensor`` is on the stand-in CUDA device (see the module notes)."""
+    """``tensor`` is on the stand-in CUDA device (see the module notes); nothing while compiling."""
+    if _compiling():
+        return
     _refs[id(tensor)] = ref(tensor)
     if len(_refs) > _sweep_at:
         _sweep()
@@ -57,7 +75,10 @@ def _sweep() -> None:
 
 
 def remembered(tensor) -> bool:
-    """Whether ``tensor``, or the tensor it is a view of, was put on the stand-in CUDA device."""
+    """Whether ``tensor``, or the tensor it is a view of, was put on the stand-in CUDA device
+    (never while compiling: a traced move copies, which a graph's result cannot tell apart)."""
+    if _compiling():
+        return False
     held = _refs.get(id(tensor))
     if held is not None and held() is tensor:
         return True
@@ -70,6 +91,8 @@ def remembered(tensor) -> bool:
 
 def remember_module(module) -> None:
     """A module moved to (or built on) the stand-in CUDA device: its parameters and buffers are there."""
+    if _compiling():
+        return
     for tensor in module.parameters():
         remember(tensor)
     for tensor in module.buffers():
@@ -115,7 +138,7 @@ class PlacedCalls:
 
     def on_cuda(self, made):
         """``torch.ones(2, device='cuda:0')`` (``device=`` already the target): remembered on a CPU target."""
-        if self._kind == "cpu":
+        if self._kind == "cpu" and not _compiling():
             if type(made) is _tensor_type:   # remember(made), inlined: factories run in tight loops
                 _refs[id(made)] = ref(made)
                 if len(_refs) > _sweep_at:

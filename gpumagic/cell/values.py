@@ -15,7 +15,7 @@ from .names import names_read
 logger = logging.getLogger(__name__)
 
 __all__ = ["find_modules", "find_optimizers", "find_loaders", "is_plain_value", "is_stateful", "same_tuple_type",
-           "equal_values", "detached"]
+           "equal_values", "detached", "instead_of_sending"]
 
 
 def _module_names(namespace: dict) -> list[str]:
@@ -136,6 +136,20 @@ def is_stateful(value) -> bool:
     if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
         return False
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def instead_of_sending(name: str, value) -> str | None:
+    """What to do with ``value``, which cannot be pickled for a worker, where its kind says: a function
+    torch.compile wrapped, or a module scripted, traced or exported (a copy made in the cell would
+    train no notebook weights)."""
+    import torch
+    if callable(value) and hasattr(value, "_torchdynamo_orig_callable"):
+        return (f"{name} is a torch.compile'd function: compile the plain function inside the cell "
+                f"({name} = torch.compile(fn))")
+    if isinstance(value, (torch.jit.ScriptModule, torch.fx.GraphModule)):
+        return (f"{name} is a {type(value).__name__}: train the nn.Module it was made from, and script, trace "
+                "or export that after training")
+    return None
 
 
 def _usage_error(what, choices):

@@ -44,7 +44,7 @@ from ..cell.names import (
     used_names,
 )
 from ..cell.placement_workers import rewrite_for_cpu_workers
-from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
+from ..cell.values import find_loaders, find_modules, find_optimizers, instead_of_sending, is_plain_value, is_stateful
 from ..cell.with_targets import quiet_targets
 from ..display import note
 from ..errors import usage_error
@@ -253,8 +253,10 @@ def _on_cluster(plan: Plan) -> tuple[Plan, bool]:
 
 def _unshippable(exc: Unshippable):
     what = "; ".join(f"{name} ({type(value).__name__}: {error})" for name, value, error in exc.problems)
-    return usage_error(f"cannot send to the worker processes: {what}. Create such objects inside the cell, "
-                       "or run the cell with --strategy dp (in the kernel)")
+    advice = [a for a in (instead_of_sending(n, v) for n, v, _ in exc.problems) if a]
+    return usage_error(f"cannot send to the worker processes: {what}. "
+                       + ("; ".join(advice) or "Create such objects inside the cell")
+                       + ", or run the cell with --strategy dp (in the kernel)")
 
 
 def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> CellResult:

@@ -6,9 +6,12 @@ device to be idle before starting (earlier cells' queued work is not
 counted), records CUDA events on the cell's stream around it, and
 synchronises the device at the end: the report gives the events' time, the
 wall time until the device finished, and when the Python code returned.
+Time torch.compile spent compiling in the cell is said apart: it is in every
+one of those times, and later runs of the same code skip it.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -19,6 +22,32 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
+# torch's outermost compile timers: a frame's graph (dynamo and inductor), and a backward compiled lazily.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def _compile_times() -> dict:
+    """torch's lists of compile times by timer (none before dynamo is imported: nothing compiled then)."""
+    metrics = getattr(sys.modules.get("torch._dynamo.utils"), "compilation_time_metrics", None)
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def _compile_marks() -> dict:
+    times = _compile_times()
+    return {name: (times[name], len(times[name])) for name in _COMPILE_TIMERS if name in times}
+
+
+def _compiled_since(marks: dict) -> float:
+    """Seconds torch.compile spent compiling since :func:`_compile_marks` gave ``marks``; a list that
+    ``torch.compiler.reset()`` replaced in between counts whole."""
+    total = 0.0
+    for name in _COMPILE_TIMERS:
+        times = _compile_times().get(name) or []
+        was, count = marks.get(name, (None, 0))
+        total += sum(times[count:] if times is was else times)
+    return total
+
+
 @dataclass
 class Timing:
     """A cell's times, in seconds. ``device_s`` is None where there are no events."""
@@ -27,8 +56,13 @@ class Timing:
     returned_s: float          # start -> the cell's Python code returned
     device_s: float | None = None
     method: str = "wall clock"
+    compile_s: float = 0.0     # of those, torch.compile compiling
 
     def __str__(self):
+        compiling = f"; {_ms(self.compile_s)} of it compiling (torch.compile)" if self.compile_s >= 0.0005 else ""
+        return self._times() + compiling
+
+    def _times(self) -> str:
         if self.device_s is not None:
             return (f"{self.device}: {_ms(self.device_s)} ({self.method}); wall {_ms(self.wall_s)} "
                     f"until the device finished; Python returned after {_ms(self.returned_s)}")
@@ -60,6 +94,7 @@ class CellTimer:
         self.device = torch.device(device)
         self._events = None
         self._t0 = 0.0
+        self._compile_marks = {}
 
     def _synchronize(self):
         torch = self._torch
@@ -71,6 +106,7 @@ class CellTimer:
     def start(self) -> None:
         torch = self._torch
         self._synchronize()
+        self._compile_marks = _compile_marks()
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             begin = torch.cuda.Event(enable_timing=True)
@@ -84,13 +120,14 @@ class CellTimer:
     def stop(self) -> Timing:
         returned = time.perf_counter() - self._t0
         name = str(self.device)
+        compiled = _compiled_since(self._compile_marks)
         if self._events is not None:
             begin, end, stream = self._events
             end.record(stream)
             self._synchronize()
             wall = time.perf_counter() - self._t0
-            return Timing(name, wall, returned, begin.elapsed_time(end) / 1e3, "CUDA events")
+            return Timing(name, wall, returned, begin.elapsed_time(end) / 1e3, "CUDA events", compiled)
         if self.device.type == "mps":
             self._synchronize()
-            return Timing(name, time.perf_counter() - self._t0, returned, None, "synchronised")
-        return Timing(name, returned, returned, None, "wall clock")
+            return Timing(name, time.perf_counter() - self._t0, returned, None, "synchronised", compiled)
+        return Timing(name, returned, returned, None, "wall clock", compiled)

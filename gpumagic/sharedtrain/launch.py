@@ -60,7 +60,7 @@ from ..cell.definitions import define_in_notebook, definitions
 from ..cell.module_settings import apply_settings
 from ..cell.names import names_assigned, names_tree, notebook_names, used_names
 from ..cell.placement_workers import rewrite_for_cpu_workers
-from ..cell.values import find_loaders, find_modules, find_optimizers
+from ..cell.values import find_loaders, find_modules, find_optimizers, instead_of_sending
 from ..cell.with_targets import quiet_targets
 from ..errors import usage_error
 from ..procs import forkserver, torch_settings
@@ -197,9 +197,12 @@ def _ship(method: str, ns: dict, used: list, loaders: dict, compiled, relays: Re
     except Unshippable as exc:
         outgoing.close()
         name, value, error = exc.problems[0]
+        if isinstance(value, torch.nn.Module):   # a copy made in each worker would share nothing
+            advice = "use --start-method fork, whose workers share the notebook's module"
+        else:
+            advice = f"{instead_of_sending(name, value) or 'create it inside the cell'}, or use --start-method fork"
         raise usage_error(f"{name!r} ({type(value).__name__}) cannot be sent to spawned workers "
-                          f"({type(error).__name__}: {error}); create it inside the cell, or use "
-                          "--start-method fork") from None
+                          f"({type(error).__name__}: {error}); {advice}") from None
     meta = {"header": packed.header, "shared": packed.shared, "tree": compiled.tree, "filename": compiled.filename,
             "relays": relays.found}
     return meta, outgoing.handle(packed.data()), outgoing

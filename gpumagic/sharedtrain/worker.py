@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import gc
 import numbers
+import sys
 import time
 from types import CodeType
 
@@ -236,6 +237,11 @@ def train(ctx, meta: dict, data) -> None:
         hook.remove()
         channel.flush()
         # Let go of the namespace (and the CUDA IPC handles of shared tensors) before saying done.
+        # torch.compile put globals into it with hooks that delete them when its code dies: cleared
+        # first, each hook printed a KeyError into the cell, so its code goes first.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
         ns.clear()
         meta.clear()
         del ns, code
