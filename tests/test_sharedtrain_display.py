@@ -43,3 +43,19 @@ def plot_svg(html_text: str) -> str:
     found = re.search(r"<img src='data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)'", html_text)
     assert found, html_text[-500:]
     return base64.b64decode(found.group(1)).decode()
+
+
+def test_a_stopped_run_says_which_side_failed(capsys):
+    from types import SimpleNamespace
+
+    from gpumagic.errors import WorkerError
+    from gpumagic.sharedtrain.display import Progress
+    result = SharedTrainResult(modules={}, nprocs=2, start_method="fork", start_reason="", device="cpu", seed=0,
+                               sharing_strategy="file_descriptor", history=History(2),
+                               workers=[WorkerStats(rank=0), WorkerStats(rank=1)])
+    progress = Progress(SimpleNamespace())
+    for exc, says in ((WorkerError(1, 42, "ValueError", "bad"), "(rank 1 failed)"),
+                      (KeyboardInterrupt(), "(interrupted)"),
+                      (RuntimeError("loading failed"), "(RuntimeError in the kernel)")):
+        progress.stopped(result, exc)
+        assert says in capsys.readouterr().err

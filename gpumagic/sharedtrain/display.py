@@ -252,6 +252,11 @@ class Progress:
         if self.notebook and self.handle is not None:
             result._display_started = self.started
             self.handle.update(render_progress(result))
-        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"rank {getattr(exc, 'rank', '?')} failed"
+        if isinstance(exc, KeyboardInterrupt):
+            why = "interrupted"
+        elif isinstance(getattr(exc, "rank", None), int) and exc.rank >= 0:
+            why = f"rank {exc.rank} failed"
+        else:   # (the kernel's own side failed, after or between the workers)
+            why = f"{type(exc).__name__} in the kernel"
         display.note(f"sharedtrain: stopped {result.nprocs} workers after {result.seconds:.1f} s ({why}); "
                      f"the model is usable, and what the workers reported is in {RESULT_NAME}.history")
