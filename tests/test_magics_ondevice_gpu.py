@@ -335,3 +335,19 @@ def _event_time(cycles: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+def test_time_names_what_inductor_compiling_took_on_the_gpu(shell):
+    # code written for .cuda() compiled on a real GPU (inductor, triton): the first run says how much
+    # of its time was compiling, a second run compiles nothing and says nothing of it
+    ok(shell, "import torch\nx = torch.randn(256, 256)\n"
+              "@torch.compile\ndef f(t):\n    return torch.relu(t @ t.T).cuda() + torch.ones(256, device='cuda')\n")
+    _, first = ok(shell, "%%ondevice cuda:0 --time\ny = f(x.cuda())\n")
+    seconds = {"ms": 1e-3, "s": 1.0}
+    wall = re.search(r"wall ([\d.]+) (ms|s) until the device finished", first)
+    compiling = re.search(r"; ([\d.]+) (ms|s) of it compiling \(torch.compile\)", first)
+    assert wall and compiling, first
+    assert 0 < float(compiling[1]) * seconds[compiling[2]] <= float(wall[1]) * seconds[wall[2]], first
+    _, again = ok(shell, "%%ondevice cuda:0 --time\ny = f(x.cuda())\n")
+    assert "CUDA events" in again and "compiling" not in again, again
+    assert shell.user_ns["y"].device.type == "cuda" and shell.user_ns["y"].shape == (256, 256)
