@@ -214,33 +214,39 @@ LABELS = torch.stack([t["labels"] for t in texts])
 
 # Every rank after training: what it holds of the FSDP-wrapped model ``wrapped``; rank 0 saves the
 # full state the cell gathered with the framework's own API (``full``) under the notebook model's keys.
+# FSDP1 (a FullyShardedDataParallel wrapper) or FSDP2 (parameters as DTensors: the Hugging Face Trainer's
+# fsdp= default since transformers 5). Recorded before the cell's no-grad forward, after which FSDP2's root
+# module keeps its parameters unsharded.
 GPU_RECORD = """\
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-sharded = isinstance(wrapped, FSDP)
+from torch.distributed.tensor import DTensor
+sharded = isinstance(wrapped, FSDP) or all(isinstance(p, DTensor) for p in wrapped.parameters())
 local = [None] * dist.get_world_size()
-dist.all_gather_object(local, sum(p.numel() for p in wrapped.parameters()))
+dist.all_gather_object(local, sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                               for p in wrapped.parameters()))
 if dist.get_rank() == 0:
     torch.save({k.removeprefix(PREFIX): v for k, v in full.items()}, FULL)
 """
 
 GPU_LIGHTNING = """\
 PREFIX = "net."
-loss_before = float(torch.nn.functional.mse_loss(model(X), Y))
+loss_before = float(torch.nn.functional.mse_loss(model(X.cuda()), Y.cuda()))   # the model is on the rank's GPU
 trainer = L.Trainer(accelerator="gpu", devices=2, strategy="fsdp", max_epochs=EPOCHS, logger=False,
                     enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
 trainer.fit(lit, loader)
 world, steps = trainer.world_size, trainer.global_step
 wrapped = trainer.strategy.model
 full = trainer.strategy.lightning_module_state_dict()
+""" + GPU_RECORD + """\
 with torch.no_grad():
     loss_after = float(torch.nn.functional.mse_loss(wrapped(X.cuda()), Y.cuda()))
-""" + GPU_RECORD
+"""
 
 GPU_ACCELERATE = """\
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 PREFIX = ""
-loss_before = float(torch.nn.functional.mse_loss(model(X), Y))
+loss_before = float(torch.nn.functional.mse_loss(model(X.cuda()), Y.cuda()))   # the model is on the rank's GPU
 accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
 wrapped = accelerator.prepare(model)
 optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
@@ -254,14 +260,15 @@ for epoch in range(EPOCHS):
         steps += 1
 world = accelerator.num_processes
 full = accelerator.get_state_dict(wrapped)
+""" + GPU_RECORD + """\
 with torch.no_grad():
     loss_after = float(torch.nn.functional.mse_loss(wrapped(X.to(accelerator.device)), Y.to(accelerator.device)))
-""" + GPU_RECORD
+"""
 
 GPU_HF = """\
 PREFIX = ""
 with torch.no_grad():
-    loss_before = float(bert(input_ids=IDS, labels=LABELS).loss)
+    loss_before = float(bert(input_ids=IDS.cuda(), labels=LABELS.cuda()).loss)   # bert is on the rank's GPU
 args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8,
                                       num_train_epochs=EPOCHS, learning_rate=1e-3, report_to=[], save_strategy="no",
                                       logging_strategy="no", seed=0, fsdp="full_shard",
@@ -271,9 +278,10 @@ result = trainer.train()
 world, steps = trainer.args.world_size, result.global_step
 wrapped = trainer.model_wrapped
 full = trainer.accelerator.get_state_dict(wrapped)
+""" + GPU_RECORD + """\
 with torch.no_grad():
     loss_after = float(wrapped(input_ids=IDS.to(trainer.args.device), labels=LABELS.to(trainer.args.device)).loss)
-""" + GPU_RECORD
+"""
 
 # name -> (extra set-up, the training cell, why launch mode is chosen, the trained notebook model,
 # how far the loss falls at least, the check in the kernel)
