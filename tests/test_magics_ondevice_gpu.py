@@ -339,7 +339,17 @@ def _event_time(cycles: int) -> float:
 
 def test_time_names_what_inductor_compiling_took_on_the_gpu(shell):
     # code written for .cuda() compiled on a real GPU (inductor, triton): the first run says how much
-    # of its time was compiling, a second run compiles nothing and says nothing of it
+    # of its time was compiling, a second run compiles nothing and says nothing of it.
+    # (compile_threads=1: inductor compiles in this process, leaving no pool of compile workers behind
+    # for the tests after this one to find)
+    import torch._dynamo
+    import torch._inductor.config
+    with torch._inductor.config.patch(compile_threads=1):
+        _compile_and_time(shell)
+    torch._dynamo.reset()   # (its hooks would delete the cell's globals from a namespace long gone, at exit)
+
+
+def _compile_and_time(shell):
     ok(shell, "import torch\nx = torch.randn(256, 256)\n"
               "@torch.compile\ndef f(t):\n    return torch.relu(t @ t.T).cuda() + torch.ones(256, device='cuda')\n")
     _, first = ok(shell, "%%ondevice cuda:0 --time\ny = f(x.cuda())\n")
