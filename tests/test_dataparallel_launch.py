@@ -141,6 +141,20 @@ def test_launched_restores_the_environment_after_an_exception(launchers_restored
     assert "RANK" not in os.environ and os.environ["WORLD_SIZE"] == "9"
 
 
+def test_what_a_launch_cell_set_in_the_environment_ends_with_it(launchers_restored):
+    # accelerate's FSDP plugin sets ACCELERATE_USE_FSDP=true: the next cell's Accelerator (a fresh
+    # torchrun process under torchrun) must not find it
+    mp = launchers_restored
+    mp.setenv("KEPT_FROM_BEFORE", "1")
+    mp.delenv("ACCELERATE_USE_FSDP", raising=False)
+    before = dict(os.environ)
+    with launched(rank=0, world_size=2, master_port=29557, run_id="gm-3", on_cpu=True):
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        os.environ["KEPT_FROM_BEFORE"] = "changed"
+        del os.environ["KEPT_FROM_BEFORE"]
+    assert dict(os.environ) == before
+
+
 def test_launched_sets_accelerate_use_cpu_only_on_cpu(launchers_restored):
     mp = launchers_restored
     mp.delenv("ACCELERATE_USE_CPU", raising=False)

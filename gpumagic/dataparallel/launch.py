@@ -66,17 +66,20 @@ def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: 
     # torchrun sets OMP_NUM_THREADS, and accelerate cuts torch to one thread where it is unset: give
     # the share of cores the worker already runs with.
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads()))
-    saved = {k: os.environ.get(k) for k in env}
+    # All of it comes back after the cell, as the next torchrun process would start without what this
+    # one set: a framework's own settings (accelerate's ACCELERATE_USE_FSDP from an FSDP plugin) would
+    # otherwise reach the next cell's framework, which never asked for them.
+    saved = dict(os.environ)
     os.environ.update(env)
     forget_accelerate_state()
     run_lightning_launchers_in_place()
     try:
         yield
     finally:
+        for k in [k for k in os.environ if k not in saved]:
+            os.environ.pop(k, None)
         for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
+            if os.environ.get(k) != v:
                 os.environ[k] = v
 
 
