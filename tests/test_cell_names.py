@@ -32,6 +32,32 @@ def test_used_names_follow_decorated_functions_and_not_attribute_names():
     assert used_names(ast.parse("evaluate_wrapped()"), ns) == ["evaluate_wrapped", "model", "test_x"]
 
 
+
+def test_used_names_follow_notebook_decorators_decorated_methods_and_wrapper_loops():
+    # A notebook decorator's wrapper reads the function through its closure, not a global; a method under
+    # @torch.no_grad() or a property is no plain function of the class: their globals were not shipped.
+    import types
+    ns = {"__name__": "__main__"}
+    exec("import functools\n"
+         "def timed(fn):\n    @functools.wraps(fn)\n    def wrapper(*a):\n        return fn(*a)\n    return wrapper\n"
+         "def plain(fn):\n    def inner(*a):\n        return fn(*a)\n    return inner\n"
+         "@timed\ndef step(x):\n    return model(x)\n"
+         "@plain\ndef load():\n    return loader\n"
+         "def no_grad(fn):\n    return functools.wraps(fn)(lambda *a: None)\n"
+         "class Runner:\n    @no_grad\n    def evaluate(self):\n        return val_x\n"
+         "    @property\n    def conf(self):\n        return cfg\n"
+         "model = loader = val_x = cfg = 1\n", ns)
+    assert used_names(ast.parse("step(1)"), ns) == ["step", "model"]
+    assert used_names(ast.parse("load()"), ns) == ["load", "loader"]
+    assert used_names(ast.parse("Runner()"), ns) == ["Runner", "val_x", "cfg"]
+    # A library function whose __wrapped__ leads back to itself: the search ends.
+    first = types.FunctionType((lambda: 0).__code__, {})
+    second = types.FunctionType(first.__code__, {})
+    first.__wrapped__, second.__wrapped__ = second, first
+    ns["looped"] = first
+    assert used_names(ast.parse("looped()"), ns) == ["looped"]
+
+
 def test_free_reads_skip_names_the_cell_binds_first():
     src = ("it = iter(loader)\n"
            "for i in range(n):\n"

@@ -55,6 +55,25 @@ def test_slots_dataclasses_and_deep_notebook_objects():
         {"batch": 400, "pair": 120, "runs": 120}
 
 
+
+def test_an_object_first_reached_deep_through_a_back_reference_is_still_read():
+    class Trainer:
+        pass
+
+    class Callback:
+        pass
+
+    class Data:
+        pass
+
+    trainer, callback, data = Trainer(), Callback(), Data()
+    callback.trainer = trainer
+    callback.seen = {"batches": [data]}          # data six levels down this way: its cache is cut...
+    trainer.callbacks = [callback]
+    trainer.data = data                          # ...and one level down this way
+    data.cache = {"x": [torch.zeros(500)]}
+    assert rows({"trainer": trainer}) == {"trainer": 2000}
+
 def test_scanning_runs_no_notebook_code():
     ran = []
 

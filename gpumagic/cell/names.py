@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import re
 import types
 
@@ -102,18 +103,40 @@ def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
 
 def _code_objects(value, namespace):
     """Code of notebook functions (and of methods of notebook classes) that ``value`` is."""
-    # A notebook function under a decorator's wrapper (@torch.compile, @torch.no_grad()): the function.
-    while isinstance(value, types.FunctionType) and value.__globals__ is not namespace \
-            and isinstance(getattr(value, "__wrapped__", None), types.FunctionType):
-        value = value.__wrapped__
-    if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
-        yield value.__code__
-    elif isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
+    if isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
         for attr in vars(value).values():
             if isinstance(attr, (staticmethod, classmethod)):
                 attr = attr.__func__
-            if isinstance(attr, types.FunctionType) and attr.__globals__ is namespace:
-                yield attr.__code__
+            if isinstance(attr, property):
+                for accessor in (attr.fget, attr.fset, attr.fdel):
+                    yield from _function_code(accessor, namespace)
+            elif isinstance(attr, functools.cached_property):
+                yield from _function_code(attr.func, namespace)
+            else:
+                yield from _function_code(attr, namespace)
+    else:
+        yield from _function_code(value, namespace)
+
+
+def _function_code(value, namespace):
+    """Code of ``value`` and of what it wraps, where notebook functions: under a decorator's wrapper
+    (@torch.compile, @torch.no_grad(), a notebook decorator) the function is its ``__wrapped__`` or a
+    function its closure holds. Each function once: a ``__wrapped__`` may lead back."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        fn = todo.pop()
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if fn.__globals__ is namespace:
+            yield fn.__code__
+        todo.append(vars(fn).get("__wrapped__"))
+        for cell in fn.__closure__ or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:   # a cell not yet filled
+                pass
 
 
 # Instructions that name a global; co_names also holds attribute names (opt.step), which made a notebook

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections import deque
 from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Collector:
         self.storages: dict[tuple, tuple[str, int, str]] = {}
         self.via_optimizer: dict[tuple, tuple[str, int, str]] = {}
         self.visited: set[int] = set()
+        self._queue: deque = deque()   # (object, depth, part) to read: see walk()
         self.truncated = False
         self.slots = {} if slots is None else slots   # class -> its slot descriptors, shared by a scan
         self.compressed = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
@@ -78,18 +80,31 @@ class Collector:
             into[key] = (device, nbytes, known[2] if known else part)
 
     def walk(self, obj, depth: int = 0, part: str = "tensors") -> None:
-        torch = self.torch
+        """Read ``obj`` and what it holds, breadth first: each object where it is nearest the top
+        (first reached deep, through a back reference, its contents were cut at ``max_depth``)."""
+        self._queue.clear()
+        self._reach(obj, depth, part)
+        while self._queue:
+            self._visit(*self._queue.popleft())
+
+    def _reach(self, obj, depth: int, part: str) -> None:
+        """A tensor is counted now; a holder is read once its turn comes."""
         # type(), never isinstance(): isinstance reads obj.__class__, which a proxy answers with code
         # of its own (a lazy object loads itself); the scan must run nothing of the notebook's.
         cls = type(obj)
-        if issubclass(cls, torch.Tensor):
+        if issubclass(cls, self.torch.Tensor):
             self.add_tensor(obj, part)
             if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
                 self.add_tensor(obj.grad, "grads")
-            return
-        if cls in _ATOMS or id(obj) in self.visited or depth > self.max_depth:
+        elif cls not in _ATOMS and depth <= self.max_depth and id(obj) not in self.visited:
+            self._queue.append((obj, depth, part))
+
+    def _visit(self, obj, depth: int, part: str) -> None:
+        if id(obj) in self.visited:
             return
         self.visited.add(id(obj))
+        torch = self.torch
+        cls = type(obj)
         if issubclass(cls, torch.nn.Module):
             self._module(obj, depth)
             return
@@ -115,7 +130,7 @@ class Collector:
             if i >= self.max_items:
                 self.truncated = True
                 break
-            self.walk(item, depth + 1, part)
+            self._reach(item, depth + 1, part)
 
     def _module(self, module, depth: int) -> None:
         for p in module.parameters():
@@ -132,13 +147,13 @@ class Collector:
             registries = [vars(sub).get(k) for k in _MODULE_REGISTRIES]
             for value in attrs:
                 if not any(value is r for r in registries):
-                    self.walk(value, depth + 1)
+                    self._reach(value, depth + 1, "tensors")
 
     def _optimizer(self, opt, depth: int) -> None:
         # Its own memory is the state; its parameters belong to their model (see variable_memory).
         for state in list(opt.state.values()):
             for value in (state.values() if isinstance(state, dict) else (state,)):
-                self.walk(value, depth + 1, "state")
+                self._reach(value, depth + 1, "state")
         for group in list(getattr(opt, "param_groups", ())):
             for p in group.get("params", ()) if isinstance(group, dict) else ():
                 if issubclass(type(p), self.torch.Tensor):
