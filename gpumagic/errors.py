@@ -93,8 +93,12 @@ def release_frames(exc: BaseException) -> None:
     A failed cell's traceback stays with the notebook (``sys.last_traceback``, and in reference cycles
     until the garbage collector runs), and gpumagic's frames in it hold what the cell shipped: the
     workers' shared-memory buffer, the model's size, once per failed cell. Their locals show nowhere
-    (worker errors render the workers' traceback; interrupts a line).
+    (worker errors render the workers' traceback; interrupts a line). Any other exception keeps them:
+    IPython shows its frames, and ``%debug`` their locals (the user's own error from a ``--strategy dp``
+    cell, which runs in the kernel; a failure of gpumagic's own).
     """
+    if not (isinstance(exc, (KeyboardInterrupt, UsageError)) or hasattr(exc, "_render_traceback_")):
+        return
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:

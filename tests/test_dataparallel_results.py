@@ -199,3 +199,32 @@ def test_the_summary_names_what_came_back_but_not_a_throwaway_loop_variable():
                         stateful=[], values=["_", "losses"], per_rank={0: {"steps": 4}, 1: {"steps": 4}})
     assert result.summary() == ("%%dataparallel: 2 ranks (gloo), 4 optimizer steps each; trained state loaded "
                                 "into model, opt; values: losses")
+
+
+def test_a_reshaped_module_takes_the_last_gradients_too():
+    # the cell replaced the head and trained: the kept layer's gradient is the cell's, not the one an
+    # earlier plain cell left, and the new head has the cell's as well
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    trained = copy.deepcopy(model)
+    trained[1] = nn.Linear(8, 3)
+    grads = {k: torch.full_like(p, 0.5) for k, p in trained.named_parameters()}
+    state = {"modules": {"model": trained.state_dict()}, "optimizers": {}, "stateful": {}, "values": {},
+             "reshaped": {"model": trained}, "grads": {"model": grads}}
+    load_into_notebook({"model": model}, state, {"model": model}, {}, [])
+    assert model[1].out_features == 3
+    for k, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[k]), k
+
+
+def test_two_views_of_one_tensor_each_keep_the_items_the_cell_set():
+    # ``row[3] = 5`` and ``cols[2, 1] = 7`` on two views of one notebook tensor: each travels alone, so
+    # each comes back with the other's item as it was; neither may undo the other's
+    base = torch.zeros(4, 6)
+    ns = {"base": base, "row": base[1], "cols": base.t()}
+    row, cols = ns["row"].clone(), ns["cols"].clone()
+    row[3], cols[2, 1] = 5.0, 7.0
+    state = {"modules": {}, "optimizers": {}, "stateful": {}, "values": {"row": row, "cols": cols}}
+    load_into_notebook(ns, state, {}, {}, [])
+    assert ns["row"]._base is base and ns["cols"]._base is base
+    assert base[1, 3] == 5.0 and base[1, 2] == 7.0 and base.count_nonzero() == 2

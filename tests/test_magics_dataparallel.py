@@ -394,6 +394,23 @@ def test_dp_strategy_on_cpu_runs_code_written_for_cuda(shell):
         torch.testing.assert_close(p, ref_model.state_dict()[name], atol=1e-6, rtol=0)
 
 
+def test_a_dp_cells_own_error_keeps_every_frame_for_the_debugger(shell):
+    # --strategy dp runs the cell in the kernel: its traceback is shown whole, and %debug walks it, so
+    # gpumagic's frames keep their locals (run_compiled's __tracebackhide__ keeps it hidden)
+    run_cell(shell, SETUP.format(shuffle=False))
+    result, _, _ = run_cell(shell, "%%dataparallel --strategy dp --devices cpu\n"
+                                   "def check(q):\n    mine = q * 2\n    raise KeyError(mine)\n"
+                                   "out = model(X)\ncheck(7)\n")
+    assert isinstance(result.error_in_exec, KeyError)
+    frames = {}
+    tb = result.error_in_exec.__traceback__
+    while tb is not None:
+        frames[tb.tb_frame.f_code.co_name] = tb.tb_frame.f_locals
+        tb = tb.tb_next
+    assert frames["check"] == {"q": 7, "mine": 14}
+    assert frames["run_compiled"].get("__tracebackhide__") is True and "plan" in frames["run_cell"]
+
+
 # ---------------------------------------------------------------- beyond one machine
 
 def test_symmetric_error_keeps_the_pool(shell):

@@ -440,3 +440,18 @@ def test_items_the_cell_sets_on_notebook_tensors_and_arrays_come_back_in_place(s
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
     assert "held['box'].size, held['n'] (set through items of held, a dict that does not come back" in note, note
     assert ns["held"]["n"] == 1
+
+
+def test_a_name_the_cell_left_on_the_notebooks_own_object_stays_bound(shell):
+    # ``evaluator = evaluator or Evaluator(model)`` left it on the notebook's object, which cannot come back
+    # (it holds the model): the notebook's stays, as after a plain cell, rather than being unbound
+    run_cell(shell, SETUP + "class Evaluator:\n    def __init__(self, model):\n        self.model = model\n"
+                            "evaluator = Evaluator(model)\n")
+    ns = shell.user_ns
+    evaluator = ns["evaluator"]
+    _, cap = dp_cell(shell, CPU2, """
+        evaluator = evaluator or Evaluator(model)
+        out = evaluator.model(X)
+        """)
+    assert "evaluator (holds a torch.nn.Module" in cap.stderr
+    assert ns["evaluator"] is evaluator

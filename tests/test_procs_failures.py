@@ -175,3 +175,12 @@ def test_tracebacks_inside_messages_name_cells_too(monkeypatch):
     err = primary_error({1: _info(1, "KeyError", message)})
     assert "  Cell In[4], line 5, in __getitem__\n" in err.message and "ipykernel_" not in str(err)
     assert relabel('File "/elsewhere/x.py", line 5') == 'File "/elsewhere/x.py", line 5'
+
+
+def test_ranks_still_running_are_named_where_the_error_shown_is_a_consequence():
+    # rank 0's collective timed out: rank 1, which never came, is where to look
+    timed_out = primary_error({0: _info(0, "DistBackendError", "Timed out waiting 3000ms")}, still_running=[1])
+    assert timed_out.still_running == [1] and "rank 1 had not finished" in timed_out._render_traceback_()[-1]
+    # rank 1 raised while rank 0 waited for it in a barrier: rank 0 is no lead
+    raised = primary_error({1: _info(1, "ValueError", "rank one fails")}, still_running=[0])
+    assert raised.still_running == [] and "had not finished" not in "\n".join(raised._render_traceback_())

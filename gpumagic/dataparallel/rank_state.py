@@ -61,6 +61,11 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     }
     trained = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["loaders"])
     state["aliases"] = _aliases(ns, meta)
+    # names the cell left on the notebook's own object (``ev = ev or Evaluator(model)``): where that
+    # object cannot come back, the notebook's stays bound to it (run._unbind_not_returned)
+    before = meta.get("objects_before", {})
+    state["still_bound"] = [n for n in meta["assigned"] if n in ns and before.get(id(ns[n]), (None, None))[0] == n
+                            and before[id(ns[n])][1] is ns[n]]
     for n in meta["return_names"]:
         if n not in ns or n in state["aliases"]:
             continue

@@ -132,7 +132,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 module.load_state_dict(state["modules"][name])
             if name in (state.get("settings") or {}):
                 apply_settings(module, state["settings"][name])
-            if name in (state.get("grads") or {}) and name not in reshaped:
+            if name in (state.get("grads") or {}):   # (a reshaped module has the trained one's names by now)
                 _load_grads(module, state["grads"][name])
     # the notebook's objects the cell bound other names to, taken before any name is bound anew
     aliased = {n: ns[other] for n, other in (state.get("aliases") or {}).items() if other in ns}
@@ -152,13 +152,16 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     for name, generator_state in (state.get("generators") or {}).items():
         if getattr(ns.get(name), "generator", None) is not None:
             ns[name].generator.set_state(generator_state.clone())
+    # The items each notebook tensor or array got, found before any is written: two views of one
+    # tensor (a row and the whole) each travel alone, and copying one whole would undo the other's.
+    changed = {name: _changed_items(ns.get(name), value) for name, value in state["values"].items()}
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
         if name not in state.get("assigned", ()):
             if equal_values(old, value):
                 continue
-            if _refill(old, value):   # a list the cell appended to: same object, new contents
+            if _refill(old, value, changed[name]):   # a list the cell appended to: same object, new contents
                 bound.append(name)
                 continue
         ns[name] = value
@@ -197,24 +200,50 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
 
 
-def _refill(old, value) -> bool:
+def _refill(old, value, items=None) -> bool:
     """Give the notebook's list, dict, tensor or array ``old`` the contents of ``value`` (the same object
-    stays, as other names may hold it); False where they are not of one kind (and shape)."""
+    stays, as other names may hold it); False where they are not of one kind (and shape). ``items``:
+    where a tensor or array takes ``value``'s items (:func:`_changed_items`), else everywhere."""
     import torch
     if isinstance(old, list) and isinstance(value, list):
         old[:] = value
     elif isinstance(old, dict) and isinstance(value, dict):
         old.clear()
         old.update(value)
-    elif isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape \
-            and old.dtype == value.dtype:
+    elif _same_tensor(old, value):
         with torch.no_grad():
-            old.copy_(value)
+            if items is None:
+                old.copy_(value)
+            else:
+                old[items] = value.to(old.device)[items]
     elif _same_array(old, value):
-        old[...] = value
+        if items is None:
+            old[...] = value
+        else:
+            old[items] = value[items]
     else:
         return False
     return True
+
+
+def _same_tensor(old, value) -> bool:
+    import torch
+    return isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape \
+        and old.dtype == value.dtype
+
+
+def _changed_items(old, value):
+    """Where ``value`` differs from the notebook's tensor or array ``old`` of its shape (a mask), or None."""
+    try:
+        if _same_tensor(old, value):
+            mask = old.ne(value.to(old.device))
+        elif _same_array(old, value):
+            mask = old != value
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - a kind without elementwise comparison: copied whole
+        return None
+    return mask if getattr(mask, "shape", None) == old.shape and str(mask.dtype) in ("bool", "torch.bool") else None
 
 
 def _same_array(old, value) -> bool:

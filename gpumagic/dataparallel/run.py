@@ -462,7 +462,8 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
         state["object_names"], state["not_loaded"] = loaded["objects"], loaded["not_loaded"]
-        _unbind_not_returned(ns, survey, state.get("not_returned", []) + state["not_loaded"])
+        _unbind_not_returned(ns, survey, state.get("not_returned", []) + state["not_loaded"],
+                             state.get("still_bound", []))
         if shipment:
             made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
@@ -482,15 +483,17 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
     return state
 
 
-def _unbind_not_returned(ns: dict, survey: CellSurvey, not_returned: list[str]) -> None:
+def _unbind_not_returned(ns: dict, survey: CellSurvey, not_returned: list[str], still_bound: list[str]) -> None:
     """Names the cell bound anew that do not come back (``trainer = Trainer(...)``, noted as ending with
     the cell) are unbound in the notebook too: left alone, they would hold what an earlier cell bound
     (the trainer of a plain run), which the next cell would read as the cell's. A notebook model,
     optimizer, loader or scheduler that the cell rebound to the framework's wrapper of it
-    (``loader = accelerator.prepare(loader)``) stays: it is the object the cell trained with."""
+    (``loader = accelerator.prepare(loader)``) stays: it is the object the cell trained with; so does a
+    name the cell left on the notebook's own object (``still_bound``: ``ev = ev or Evaluator(model)``)."""
     import torch
     kept = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
     for entry in not_returned:
         name = entry.split(" (", 1)[0]
-        if name in survey.assigned and name in ns and not (isinstance(ns[name], kept) or is_stateful(ns[name])):
+        if name in survey.assigned and name in ns and name not in still_bound \
+                and not (isinstance(ns[name], kept) or is_stateful(ns[name])):
             del ns[name]

@@ -141,8 +141,9 @@ def _collateral(info: dict) -> bool:
 
 def primary_error(errors: dict, still_running=()):
     """The error to show for ``{rank: info}``: a real exception before a death before what others
-    suffered from it, lowest rank first. Every rank's info stays in ``.all_errors``; the ranks that
-    had not finished (stopped then) in ``.still_running``."""
+    suffered from it, lowest rank first. Every rank's info stays in ``.all_errors``; where the error
+    shown is such a consequence (a collective that timed out), the ranks that had not finished
+    (stopped then) in ``.still_running``."""
     from ..errors import WorkerDied, WorkerError  # kernel side only: errors imports IPython
     for info in errors.values():
         # The worker named cells as far as it could; the kernel's shell knows every cell's number.
@@ -154,5 +155,7 @@ def primary_error(errors: dict, still_running=()):
     cls = WorkerDied if e.get("died") else WorkerError
     err = cls(e["rank"], e.get("pid"), e["exc_type"], e["message"], e.get("traceback", ""))
     err.all_errors = errors
-    err.still_running = sorted(still_running)
+    # (where the shown error is one a rank suffered from another, such as a timed-out collective: a rank
+    # that waited on a rank which raised is no lead)
+    err.still_running = sorted(still_running) if _collateral(e) else []
     return err
