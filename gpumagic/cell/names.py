@@ -86,6 +86,7 @@ def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
     found: dict[str, None] = dict.fromkeys(free_reads(tree))
     frontier = list(found)
     seen_code: set = set()
+    named: dict[int, str] | None = None
     for _ in range(depth):
         nxt = []
         for name in frontier:
@@ -97,12 +98,40 @@ def used_names(tree: ast.AST, namespace: dict, depth: int = 3) -> list[str]:
                     if g not in found and g in namespace:
                         found[g] = None
                         nxt.append(g)
+            held = _held_attributes(namespace.get(name), namespace)
+            if held:
+                # A notebook object holding other notebook objects (a trainer class's self.model,
+                # self.opt): the cell reaches them through it, as through a name.
+                if named is None:
+                    named = {id(v): k for k, v in namespace.items() if not k.startswith("_")}
+                for value in held:
+                    g = named.get(id(value))
+                    if g is not None and g not in found:
+                        found[g] = None
+                        nxt.append(g)
         frontier = nxt
     return list(found)
 
 
+def _is_notebook_instance(value, namespace) -> bool:
+    cls = type(value)
+    return cls.__module__ == namespace.get("__name__", "__main__") and not isinstance(value, type) \
+        and not isinstance(value, types.FunctionType)
+
+
+def _held_attributes(value, namespace) -> list:
+    """The attribute values of an instance of a notebook class (not of a torch module, whose parts
+    are its own)."""
+    if not _is_notebook_instance(value, namespace) or hasattr(value, "_parameters"):
+        return []
+    attrs = getattr(value, "__dict__", None)
+    return list(attrs.values()) if isinstance(attrs, dict) else []
+
+
 def _code_objects(value, namespace):
     """Code of notebook functions (and of methods of notebook classes) that ``value`` is."""
+    if _is_notebook_instance(value, namespace):
+        value = type(value)   # (``runner.step(x)``: its class's methods read the notebook's globals)
     if isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
         for attr in vars(value).values():
             if isinstance(attr, (staticmethod, classmethod)):

@@ -39,7 +39,13 @@ from .returnable import attribute_snapshot
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .whole_values import whole_values
-from .wrapping import RankDevice, compressed_allreduce, refuse_unaveraged_steps, wrap_in_ddp
+from .wrapping import (
+    RankDevice,
+    compressed_allreduce,
+    held_objects_swapped,
+    refuse_unaveraged_steps,
+    wrap_in_ddp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +104,13 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     shapes_before = {name: _shapes(module) for name, module in inner.items()} if not fsdp else {}
     # In launch mode the framework reads the data: its samples are not counted (None, shown as "-").
     stats = {"steps": 0, "samples": None if launch else 0, "seconds": 0.0}
+    # what the cell's names now stand in for: a module inside its wrapper, a loader the rank's share of it
+    swaps = {id(module): (module, ns[name]) for name, module in inner.items() if ns.get(name) is not module}
     if not launch:
+        originals = {name: ns[name] for name in meta["loaders"]}
         _shard_loaders(ns, meta, ctx.rank, ctx.world_size, stats,
                        notify=lambda text: ctx.send({"kind": "warning", "text": text}))
+        swaps.update({id(loader): (loader, ns[name]) for name, loader in originals.items() if ns[name] is not loader})
     compiling = warm is not None   # (--compile is refused with fsdp and in launch mode)
     counts_before = compile_counts() if compiling else (0, 0)
     gathered: dict = {}   # launch mode: modules the cell's framework sharded, whole (rank 0's)
@@ -134,7 +144,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         try:
             # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
             with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext(), \
-                    exporting_once(ctx.rank):
+                    exporting_once(ctx.rank), held_objects_swapped(ns, swaps):
                 value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["cell_ddp_class", "wrap_in_ddp", "user_module", "RankDevice", "CUDA_STRING", "GRAD_DTYPES",
-           "compressed_allreduce", "refuse_unaveraged_steps", "UnaveragedParameters"]
+__all__ = ["cell_ddp_class", "wrap_in_ddp", "held_objects_swapped", "user_module", "RankDevice", "CUDA_STRING",
+           "GRAD_DTYPES", "compressed_allreduce", "refuse_unaveraged_steps", "UnaveragedParameters"]
 
 CUDA_STRING = re.compile(r"^cuda(:\d+)?$")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")   # what --grad-dtype takes
@@ -186,6 +188,32 @@ def wrap_in_ddp(module, kwargs: dict, after_build=()):
 
 class UnaveragedParameters(RuntimeError):
     """An optimizer was about to step parameters whose gradients no rank averages."""
+
+
+@contextmanager
+def held_objects_swapped(ns: dict, swaps: dict) -> Iterator[None]:
+    """While the cell runs, notebook objects that hold a trained module or a split loader as an
+    attribute (a trainer class's ``self.model``, ``self.loader``) hold the cell's wrapper of it or the
+    rank's share instead (``swaps``: id of the original -> (original, stand-in)): called through
+    ``self.model`` the module would skip DDP, and its gradients would not be averaged. Each
+    attribute the cell did not rebind is put back afterwards, before anything is compared or sent."""
+    done = []
+    for value in list(ns.values()):
+        attrs = getattr(value, "__dict__", None)
+        if not isinstance(attrs, dict) or isinstance(value, type) or hasattr(value, "_parameters") \
+                or type(value).__module__ != "__main__":
+            continue   # (only the notebook's own objects; a module's parts are its own)
+        for key, held in list(attrs.items()):
+            swap = swaps.get(id(held))
+            if swap is not None and swap[0] is held:
+                attrs[key] = swap[1]
+                done.append((attrs, key, held, swap[1]))
+    try:
+        yield
+    finally:
+        for attrs, key, held, stand_in in done:
+            if attrs.get(key) is stand_in:
+                attrs[key] = held
 
 
 def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] | None = None):
