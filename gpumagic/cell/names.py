@@ -122,16 +122,19 @@ def _is_notebook_instance(value, namespace) -> bool:
 def _held_attributes(value, namespace) -> list:
     """The attribute values of an instance of a notebook class (not of a torch module, whose parts
     are its own)."""
-    if not _is_notebook_instance(value, namespace) or hasattr(value, "_parameters"):
+    if not _is_notebook_instance(value, namespace):
         return []
     attrs = getattr(value, "__dict__", None)
-    return list(attrs.values()) if isinstance(attrs, dict) else []
+    # (read from the instance's own dict: a class's __getattr__ may raise anything for a missing name)
+    return list(attrs.values()) if isinstance(attrs, dict) and "_parameters" not in attrs else []
 
 
 def _code_objects(value, namespace):
     """Code of notebook functions (and of methods of notebook classes) that ``value`` is."""
-    if _is_notebook_instance(value, namespace):
-        value = type(value)   # (``runner.step(x)``: its class's methods read the notebook's globals)
+    if _is_notebook_instance(value, namespace) and "_parameters" not in getattr(value, "__dict__", {}):
+        # ``runner.step(x)``: its class's methods read the notebook's globals. (Not a torch module's:
+        # what its forward reads, a frozen encoder, is its own business, not a model the cell trains.)
+        value = type(value)
     if isinstance(value, type) and getattr(value, "__module__", None) == namespace.get("__name__", "__main__"):
         for attr in vars(value).values():
             if isinstance(attr, (staticmethod, classmethod)):

@@ -135,7 +135,10 @@ def is_stateful(value) -> bool:
     import torch
     if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
         return False
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    try:
+        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    except Exception:  # noqa: BLE001 - a __getattr__ raising KeyError (an attribute dict): no state_dict
+        return False
 
 
 def instead_of_sending(name: str, value) -> str | None:

@@ -140,7 +140,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         wrapped = [name for name, m in inner.items() if fsdp or ns.get(name) is not m]
         averaged = [inner[name] for name in wrapped]
         frozen = [name for name in inner if name not in wrapped]
-        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen) if ctx.world_size > 1 else None
+        wrappers = {name: ns[name] for name in wrapped if not fsdp and ns.get(name) is not inner[name]}
+        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen, wrappers) \
+            if ctx.world_size > 1 else None
         try:
             # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
             with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext(), \

@@ -130,6 +130,13 @@ def _make_cell_ddp():
         def named_buffers(self, *args, **kwargs):
             return self.module.named_buffers(*args, **kwargs)
 
+        def forward(self, *args, **kwargs):
+            # counted (in __dict__, which a rebuild keeps): a step whose gradients came by no call of the
+            # wrapper was not averaged (see refuse_unaveraged_steps)
+            if torch.is_grad_enabled():
+                self.__dict__["_gpumagic_forwards"] = self.__dict__.get("_gpumagic_forwards", 0) + 1
+            return super().forward(*args, **kwargs)
+
     return CellDDP
 
 
@@ -200,8 +207,8 @@ def held_objects_swapped(ns: dict, swaps: dict) -> Iterator[None]:
     done = []
     for value in list(ns.values()):
         attrs = getattr(value, "__dict__", None)
-        if not isinstance(attrs, dict) or isinstance(value, type) or hasattr(value, "_parameters") \
-                or type(value).__module__ != "__main__":
+        if not isinstance(attrs, dict) or isinstance(value, type) or type(value).__module__ != "__main__" \
+                or "_parameters" in attrs:
             continue   # (only the notebook's own objects; a module's parts are its own)
         for key, held in list(attrs.items()):
             swap = swaps.get(id(held))
@@ -216,7 +223,8 @@ def held_objects_swapped(ns: dict, swaps: dict) -> Iterator[None]:
                 attrs[key] = held
 
 
-def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] | None = None):
+def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] | None = None,
+                            wrappers: dict | None = None):
     """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
     module built in the cell, a head added beside the model) would train a different copy on each
     rank, each on its part of the data, and the notebook would get rank 0's. So the first such
@@ -226,17 +234,33 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], froz
     ``averaged_modules()`` gives the modules whose gradients the ranks average, as they are at the
     step (a wrapper that rebuilt for a replaced layer averages the new layer too); ``trained``
     names them, ``frozen`` the notebook modules left unwrapped (no trainable parameters as the cell
-    started). Returns the hook's handle (``.remove()`` it when the cell ends).
+    started). ``wrappers`` (name: the cell's DDP wrapper): a step of a wrapped module's parameters
+    before any call of its wrapper with gradients on had gradients no rank averaged (the module
+    called as ``self.models[0](x)`` from a notebook object, or as ``model.module(x)``): refused too.
+    Returns the hook's handle (``.remove()`` it when the cell ends).
     """
     before = set(ns)   # the names the cell started with: a module among them is the notebook's
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     passed: set = set()   # (optimizer, its stepped parameters) found all averaged before
+    wrappers = dict(wrappers or {})
+    for wrapper in wrappers.values():
+        wrapper.__dict__["_gpumagic_forwards"] = 0   # (a wrapper kept warm from an earlier cell: this cell's)
 
     def check(optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         key = (id(optimizer), tuple(map(id, params)))
         if key in passed:
             return
+        stepped = {id(p) for p in params}
+        for name, wrapper in wrappers.items():
+            if not wrapper.__dict__.get("_gpumagic_forwards") and \
+                    any(id(p) in stepped for p in wrapper.module.parameters()):
+                raise UnaveragedParameters(
+                    f"{name}'s parameters have gradients, but {name} (the cell's DDP wrapper of the notebook's "
+                    f"module) was never called with gradients on, so no rank averaged them: each rank would "
+                    f"train its own copy on its share of the data. Call the model as {name}(...), or hold it "
+                    f"in a plain attribute of a notebook object (self.model = {name}), which the cell calls "
+                    f"through the wrapper; not in a list or dict (self.models[0]), nor as {name}.module(...)")
         averaged = {id(p) for module in averaged_modules() for p in module.parameters()}
         stray = [p for p in params if id(p) not in averaged]
         if not stray:
