@@ -9,11 +9,11 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 from gpumagic.errors import WorkerDied
 from gpumagic.procs.pool import WorkerPool
+from tests.dataparallel_helpers import alive
 
 THIS = "tests.test_procs_faults_interrupts"
 
@@ -45,13 +45,6 @@ def pool():
     pool.kill()
 
 
-def _alive(pid) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_a_second_interrupt_during_teardown_still_ends_the_ranks(pool):
     pids = list(pool.pids)
     spinning = set()
@@ -66,7 +59,7 @@ def test_a_second_interrupt_during_teardown_still_ends_the_ranks(pool):
     with pytest.raises(KeyboardInterrupt):
         pool.run(f"{THIS}:spin_ignoring_sigterm", on_message=on_message)
     assert pool.state == "dead" and not pool.alive
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
     fresh = WorkerPool(["cpu", "cpu"], "gloo", name="faults", start_timeout=120).start()
     try:
         assert [p["rank"] for p, _ in fresh.run(f"{THIS}:rank_of")] == [0, 1]
@@ -78,7 +71,7 @@ def test_a_rank_that_dies_while_its_result_travels_is_reported_as_dead(pool):
     with pytest.raises(WorkerDied) as err:
         pool.run(f"{THIS}:die_after_result")
     assert err.value.rank == 0 and "exited with code 9" in err.value.message
-    assert pool.state == "dead" and [p for p in pool.pids if _alive(p)] == []
+    assert pool.state == "dead" and [p for p in pool.pids if alive(p)] == []
 
 
 SERVER_SCRIPT = """
