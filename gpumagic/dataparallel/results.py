@@ -154,7 +154,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             ns[name].generator.set_state(generator_state.clone())
     # The items each notebook tensor or array got, found before any is written: two views of one
     # tensor (a row and the whole) each travel alone, and copying one whole would undo the other's.
-    changed = {name: _changed_items(ns.get(name), value) for name, value in state["values"].items()}
+    changed = {name: _changed_items(ns.get(name), value) for name, value in state["values"].items()
+               if name not in state.get("assigned", ())}
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
@@ -241,7 +242,8 @@ def _changed_items(old, value):
             mask = old != value
         else:
             return None
-    except Exception:  # noqa: BLE001 - a kind without elementwise comparison: copied whole
+    except Exception:  # a kind without elementwise comparison: copied whole
+        logger.debug("no elementwise comparison of a %s: copied whole", type(old).__name__, exc_info=True)
         return None
     return mask if getattr(mask, "shape", None) == old.shape and str(mask.dtype) in ("bool", "torch.bool") else None
 
