@@ -17,7 +17,8 @@ import re
 import types
 
 __all__ = ["names_read", "names_assigned", "names_deleted", "attributes_assigned", "import_bindings", "free_reads",
-           "used_names", "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned"]
+           "used_names", "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned",
+           "items_assigned", "notebook_object_attributes"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
 _HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
@@ -119,14 +120,20 @@ def _is_notebook_instance(value, namespace) -> bool:
         and not isinstance(value, types.FunctionType)
 
 
-def _held_attributes(value, namespace) -> list:
-    """The attribute values of an instance of a notebook class (not of a torch module, whose parts
-    are its own)."""
+def notebook_object_attributes(value, namespace) -> dict | None:
+    """The own ``__dict__`` of an instance of a notebook class, not of a torch module (whose parts are
+    its own); None for anything else. Read from the dict, never through ``getattr``: a class's
+    ``__getattr__`` may raise anything for a missing name (an attribute dict raises KeyError)."""
     if not _is_notebook_instance(value, namespace):
-        return []
+        return None
     attrs = getattr(value, "__dict__", None)
-    # (read from the instance's own dict: a class's __getattr__ may raise anything for a missing name)
-    return list(attrs.values()) if isinstance(attrs, dict) and "_parameters" not in attrs else []
+    return attrs if isinstance(attrs, dict) and "_parameters" not in attrs else None
+
+
+def _held_attributes(value, namespace) -> list:
+    """The attribute values of an instance of a notebook class (see :func:`notebook_object_attributes`)."""
+    attrs = notebook_object_attributes(value, namespace)
+    return list(attrs.values()) if attrs else []
 
 
 def _code_objects(value, namespace):

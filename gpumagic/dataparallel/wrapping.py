@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..cell.names import notebook_object_attributes
+
 __all__ = ["cell_ddp_class", "wrap_in_ddp", "held_objects_swapped", "user_module", "RankDevice", "CUDA_STRING",
            "GRAD_DTYPES", "compressed_allreduce", "refuse_unaveraged_steps", "UnaveragedParameters"]
 
@@ -206,9 +208,8 @@ def held_objects_swapped(ns: dict, swaps: dict) -> Iterator[None]:
     attribute the cell did not rebind is put back afterwards, before anything is compared or sent."""
     done = []
     for value in list(ns.values()):
-        attrs = getattr(value, "__dict__", None)
-        if not isinstance(attrs, dict) or isinstance(value, type) or type(value).__module__ != "__main__" \
-                or "_parameters" in attrs:
+        attrs = notebook_object_attributes(value, ns)
+        if attrs is None:
             continue   # (only the notebook's own objects; a module's parts are its own)
         for key, held in list(attrs.items()):
             swap = swaps.get(id(held))
