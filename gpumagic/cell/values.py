@@ -137,7 +137,9 @@ def is_stateful(value) -> bool:
         return False
     try:
         return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
-    except Exception:  # noqa: BLE001 - a __getattr__ raising KeyError (an attribute dict): no state_dict
+    except Exception:  # a __getattr__ raising KeyError (an attribute dict): no state_dict
+        logger.debug("a %s answered state_dict with an error: taken as stateless", type(value).__name__,
+                     exc_info=True)
         return False
 
 
