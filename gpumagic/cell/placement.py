@@ -86,6 +86,7 @@ from collections.abc import Iterator
 
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
+from .placement_methods import MethodCalls
 from .placement_parallel import ParallelCalls
 from .placement_placed import PlacedCalls, bind_torch, remember, remembered
 from .placement_rewrite import (
@@ -103,7 +104,7 @@ __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_
            "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
 
 
-class Placement(PlacedCalls, CudaCalls, ParallelCalls):
+class Placement(PlacedCalls, MethodCalls, CudaCalls, ParallelCalls):
     """Where rewritten code puts things: ``Placement('cuda:1')``, or ``Placement(None)`` to pass through.
 
     Every method mirrors one CUDA spelling; with a target it lands on the
@@ -176,7 +177,7 @@ class Placement(PlacedCalls, CudaCalls, ParallelCalls):
 
     # -- moving ---------------------------------------------------------------
     def cuda(self, obj, *args, **kwargs):
-        """``obj.cuda(...)``: tensors and modules go to the target (modules in place)."""
+        """``obj.cuda(...)``: tensors, modules (in place) and storages go to the target."""
         __tracebackhide__ = True
         torch = self._torch
         if self.target is None:
@@ -187,8 +188,10 @@ class Placement(PlacedCalls, CudaCalls, ParallelCalls):
             if kwargs.get("memory_format") is not None:
                 extra["memory_format"] = kwargs["memory_format"]
             return self._to_cuda(obj, self.target, non_blocking=bool(non_blocking), **extra)
-        if isinstance(obj, torch.nn.Module):
-            return self._to_cuda(obj, self.target)
+        if isinstance(obj, torch.nn.Module) or (isinstance(obj, super) and isinstance(obj.__self__, torch.nn.Module)):
+            return self._module_cuda(obj, args, kwargs)   # its class may define its own cuda
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            return self._storage_cuda(obj, args, kwargs)
         to = getattr(obj, "to", None)
         if callable(to):
             return to(self.target)

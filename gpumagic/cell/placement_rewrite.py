@@ -3,7 +3,8 @@
 :class:`PlacementRewriter` rewrites a cell's tree so that ``.cuda()``,
 ``'cuda:0'``, ``torch.device('cuda')``, ``torch.cuda.FloatTensor(...)`` (and
 the bare ``torch.cuda.FloatTensor``) and the ``torch.cuda`` calls go through
-one helper name, and gives factories an explicit ``device=`` (what a factory or ``nn``
+one helper name (so do ``getattr(x, 'cuda')``, ``torch.Tensor.cuda`` and ``x.cuda`` taken as values,
+and a ``torch.load`` without ``map_location``), and gives factories an explicit ``device=`` (what a factory or ``nn``
 layer makes on a device it is given goes through ``on_cuda``/``factory``, so that a CPU
 target can remember it as on CUDA: :mod:`.placement_placed`); the code of
 ``%time``/``%timeit``/``%prun`` inside the cell is rewritten the same way
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import ast
 import sys
-from functools import lru_cache
 from types import ModuleType
 
 from .placement_magics import rewrite_magic_call
+from .placement_names import lookup, takes_device
 from .placement_parallel import PARALLEL_CALLS
 
 __all__ = ["HELPER", "LEGACY_TYPES", "FACTORIES", "LIKE_FACTORIES", "PlacementRewriter", "rewrite_placement",
@@ -70,6 +71,7 @@ _CUDA_CALLS = {
     "torch.accelerator.synchronize": "cuda_synchronize", "torch.accelerator.device_index": "cuda_device",
     "torch.accelerator.current_accelerator": "accelerator", "torch.accelerator.current_stream": "stream_current",
     "torch.accelerator.set_stream": "stream_set",
+    "torch.set_default_tensor_type": "default_tensor_type",   # the pre-2.1 way to make CUDA the default
     # Mixed precision names a device type: 'cuda' means DEVICE's (see CudaCalls.amp).
     "torch.autocast": "amp", "torch.amp.autocast": "amp", "torch.amp.GradScaler": "amp",
     "torch.cuda.amp.autocast": "amp_cuda_autocast", "torch.cuda.amp.GradScaler": "amp_cuda_scaler",
@@ -83,7 +85,8 @@ _DEVICE_KEYWORDS = ("device", "map_location")
 # ``x.to(torch.float16)`` needs no help: these keywords and dtype names never name a device.
 _TO_HARMLESS_KEYWORDS = frozenset({"dtype", "non_blocking", "copy", "memory_format"})
 _CONVENTIONAL = {"torch": "torch", "nn": "torch.nn"}
-_UNBOUND = {"torch.Tensor.cuda": "cuda", "torch.nn.Module.cuda": "cuda",
+_METHOD_VALUES = ("cuda", "to")   # methods that place, also when taken as values (Placement.method)
+_UNBOUND = {"torch.Tensor.cuda": "cuda", "torch.nn.Module.cuda": "base_cuda",
             "torch.Tensor.to": "to", "torch.nn.Module.to": "to"}
 
 
@@ -121,49 +124,6 @@ def _known_objects() -> dict:
             known[id(obj)] = name
     _KNOWN = known
     return known
-
-
-def lookup(dotted: str):
-    """The object a dotted torch name refers to, or None (imports nothing)."""
-    parts = dotted.split(".")
-    obj = sys.modules.get(parts[0])
-    for part in parts[1:]:
-        if obj is None:
-            return None
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _takes_device(dotted: str) -> bool:
-    """True for a ``torch.nn`` module class whose constructor accepts ``device=``."""
-    if "torch" not in sys.modules:
-        return False   # not cached: torch may be imported later
-    return _class_takes_device(dotted)
-
-
-@lru_cache(maxsize=512)
-def _class_takes_device(dotted: str) -> bool:
-    torch = sys.modules["torch"]
-    cls = lookup(dotted)
-    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
-        return False
-    import inspect
-    for klass in cls.__mro__:
-        if klass is torch.nn.Module:
-            break
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            params = inspect.signature(init).parameters
-        except (TypeError, ValueError):
-            return False
-        if "device" in params:
-            return True
-        # ``LSTM(*args, **kwargs)`` hands everything to its base; keep looking there.
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return False
-    return False
 
 
 class _Resolver:
@@ -248,6 +208,7 @@ class PlacementRewriter(ast.NodeTransformer):
         self._depth = 0
         self._resolver: _Resolver | None = None
         self._kept: set[int] = set()   # ids of typed-tensor names a call rewrites itself (see visit_Call)
+        self._called: set[int] = set()  # ids of ``x.cuda`` / ``x.to`` a call rewrites itself
 
     # -- entry points and scopes ------------------------------------------
     def visit(self, node):
@@ -309,6 +270,11 @@ class PlacementRewriter(ast.NodeTransformer):
         self.generic_visit(node)
         if node.attr == "is_cuda" and isinstance(node.ctx, ast.Load) and self._dotted(node.value) is None:
             return self._call("is_cuda", [node.value], [], node)
+        if node.attr in _METHOD_VALUES and isinstance(node.ctx, ast.Load) and id(node) not in self._called:
+            # ``map(torch.Tensor.cuda, batch)``, ``move = x.cuda``: taken as a value, not called here.
+            dotted = self._dotted(node)
+            if dotted in _UNBOUND or self._dotted(node.value) is None:
+                return self._call("method", [node.value, ast.copy_location(ast.Constant(node.attr), node)], [], node)
         return self._typed_tensor(node)
 
     def visit_Call(self, node: ast.Call):
@@ -326,6 +292,11 @@ class PlacementRewriter(ast.NodeTransformer):
         magic = self._magic(node)
         if magic is not None:
             return magic
+        if isinstance(func, ast.Attribute) and func.attr in _METHOD_VALUES:
+            self._called.add(id(func))
+        if self._getattr_method(node):
+            self.generic_visit(node)
+            return self._call("method", node.args, [], node)
         self.generic_visit(node)
         func = node.func
         # ``.to(device=...)`` maps its own device keyword, seeing what the user asked for (Placement.to).
@@ -337,7 +308,7 @@ class PlacementRewriter(ast.NodeTransformer):
         # as on CUDA when that device is (gpumagic.cell.placement_placed); they see the device as written.
         own = name is not None and self._kw(node, "device") is not None and (
             name in _LEGACY_CUDA or name in _LEGACY_CPU or name in FACTORIES or name in LIKE_FACTORIES
-            or (name.startswith("torch.nn.") and _takes_device(name)))
+            or (name.startswith("torch.nn.") and takes_device(name)))
         if not to_call:
             self._rewrite_keywords(node, device=not own)
 
@@ -359,7 +330,7 @@ class PlacementRewriter(ast.NodeTransformer):
             if node.args and not any(k.arg in ("device", None) for k in node.keywords):
                 return self._call("like", [func, *node.args], node.keywords, node)
             return node
-        if name in FACTORIES or (name.startswith("torch.nn.") and _takes_device(name)):
+        if name in FACTORIES or (name.startswith("torch.nn.") and takes_device(name)):
             if not any(k.arg in _NO_DEVICE_WITH for k in node.keywords):
                 self._add_device(node)
             return node
@@ -367,7 +338,25 @@ class PlacementRewriter(ast.NodeTransformer):
             node.args[0] = ast.copy_location(ast.Call(self._h("map"), [node.args[0]], []), node.args[0])
         elif name == "torch.load" and len(node.args) > 1:
             node.args[1] = ast.copy_location(ast.Call(self._h("map"), [node.args[1]], []), node.args[1])
+        elif name == "torch.load" and not any(k.arg is None for k in node.keywords):
+            # Without a map_location a checkpoint saved on a GPU comes back on that GPU: here, DEVICE.
+            given = self._kw(node, "map_location")
+            value = ast.copy_location(self._h("load_location"), node)
+            if given is None:
+                node.keywords.append(ast.copy_location(ast.keyword(arg="map_location", value=value), node))
+            elif isinstance(given.value, ast.Constant) and given.value.value is None:
+                given.value = value
         return node
+
+    def _getattr_method(self, node: ast.Call) -> bool:
+        """``getattr(x, 'cuda')`` or ``getattr(x, 'to', None)``, with the builtin ``getattr``."""
+        func = node.func
+        if not (isinstance(func, ast.Name) and func.id == "getattr" and 2 <= len(node.args) <= 3
+                and not node.keywords and (self.namespace is None or "getattr" not in self.namespace)):
+            return False
+        name = node.args[1]
+        return isinstance(name, ast.Constant) and name.value in _METHOD_VALUES \
+            and not any(isinstance(a, ast.Starred) for a in node.args)
 
     def _made_on(self, node: ast.Call, name: str):
         """``torch.ones(2, device='cuda')`` -> ``H.on_cuda(torch.ones(2, device=H.target or 'cuda'))``;

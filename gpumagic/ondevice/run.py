@@ -161,6 +161,28 @@ def _user_traceback(tb):
     return new
 
 
+# What torch says when code asks for CUDA where it cannot start (a CPU build, no driver, no GPU).
+_NO_CUDA = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "No CUDA GPUs are available")
+
+
+def _explain_cuda_error(exc: BaseException, target, rewrite: bool) -> None:
+    """On a device that is not a GPU, say why code of the cell could still reach CUDA (a note on ``exc``)."""
+    if target.type == "cuda" or not isinstance(exc, (AssertionError, RuntimeError)) \
+            or not any(text in str(exc) for text in _NO_CUDA) \
+            or any(note.startswith("%%ondevice") for note in getattr(exc, "__notes__", ())):
+        return   # a nested %%ondevice cell said it already
+    if rewrite:
+        note = (f"%%ondevice {target}: the cell's own CUDA spellings (.cuda(), 'cuda', torch.cuda.FloatTensor, "
+                f"...) run on {target}, but this call reached CUDA through code the rewrite does not see (a "
+                f"function or class from a plain cell or a library, a name built at run time). Define that code "
+                f"in an %%ondevice cell, or pass it the device ({str(target)!r}).")
+    else:
+        note = (f"%%ondevice {target} --no-rewrite: CUDA spellings (.cuda(), 'cuda', torch.cuda.FloatTensor, "
+                f"...) stay as written, so they reach CUDA; leave out --no-rewrite to run them on {target}.")
+    # ``exc.add_note(note)`` from Python 3.11; IPython shows ``__notes__`` on 3.10 too.
+    setattr(exc, "__notes__", [*getattr(exc, "__notes__", ()), note])  # noqa: B010 - typed without it on 3.10
+
+
 def _check_torch_cuda(torch, target) -> None:
     """NVML may see a GPU that this torch cannot use (a CPU build, a driver too old)."""
     if torch.cuda.is_available() and target.index < torch.cuda.device_count():
@@ -308,6 +330,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
                 result.value = run_compiled(compiled, namespace)
             except BaseException as exc:
                 exc.__traceback__ = _user_traceback(exc.__traceback__)
+                _explain_cuda_error(exc, target, rewriter is not None)
                 raise exc
             if streamed is not None:
                 streamed.extra.append(result.value)

@@ -20,11 +20,13 @@ next ``--stream`` cell instead of piling up in a new stream's pool.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 
 __all__ = ["side_stream", "SideStream", "tensors_in", "record_on"]
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _streams: dict[int, object] = {}   # device index -> torch.cuda.Stream
 
@@ -95,8 +97,8 @@ def record_on(tensors, stream) -> int:
         try:
             t.record_stream(stream)
             count += 1
-        except RuntimeError:
-            pass  # memory torch's allocator does not own (from_blob, DLPack)
+        except RuntimeError as exc:   # memory torch's allocator does not own (from_blob, DLPack)
+            logger.debug("record_stream skipped a tensor of %s: %s", tuple(t.shape), exc)
     return count
 
 
