@@ -258,5 +258,9 @@ class Progress:
             why = f"rank {exc.rank} failed"
         else:   # (the kernel's own side failed, after or between the workers)
             why = f"{type(exc).__name__} in the kernel"
+        # Hogwild updates land in the notebook's own weights as they happen: none are undone
+        stepped = result.optimizer_steps   # (batches alone need not have changed a weight)
+        kept = (f"the model keeps the updates of the {stepped} optimizer steps the workers took until then, "
+                "and is usable" if stepped else "the model is usable")
         display.note(f"sharedtrain: stopped {result.nprocs} workers after {result.seconds:.1f} s ({why}); "
-                     f"the model is usable, and what the workers reported is in {RESULT_NAME}.history")
+                     f"{kept}, and what the workers reported is in {RESULT_NAME}.history")

@@ -46,6 +46,7 @@ From plain Python::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -74,7 +75,16 @@ from ..procs.seeding import check_seed, draw_seed
 from ..procs.start import import_lazily_imported
 from ..procs.teardown import no_interrupts
 from ..procs.worker import WorkerConfig
-from .plan import FORKSERVER_PRELOAD, check_nprocs, choose_method, loader_shardable, resolve_device
+from .changes import watched_names
+from .plan import (
+    FORKSERVER_PRELOAD,
+    check_nprocs,
+    check_trainable,
+    choose_method,
+    held_modules,
+    loader_shardable,
+    resolve_device,
+)
 from .results import History, SharedTrainResult, WorkerStats
 from .sharing import match_optimizer_devices, share_modules, travels_shared
 from .worker import TASK
@@ -98,12 +108,14 @@ class _Run:
         self.output = output or self.own_output.write  # type: ignore[union-attr]
         self.last_progress = 0.0
         self.settings: dict = {}   # rank 0's module settings after the cell (eval(), attributes)
+        self.changed: dict = {}    # notebook values the workers changed in place, each its own copy
 
     def on_message(self, rank: int, message) -> None:
         stats = self.result.workers[rank]
         if message[0] == "tick":
-            _, steps, samples, first, now, entries = message
+            _, steps, samples, first, now, entries, optimizer_steps = message
             stats.steps, stats.samples, stats.last_time = steps, samples, now
+            stats.optimizer_steps = optimizer_steps
             if first is not None:
                 stats.first_step = first
             if stats.state == "starting":
@@ -114,6 +126,8 @@ class _Run:
                 self.result.history.extend(rank, entries)
         elif message[0] == "settings":
             self.settings = message[1]
+        elif message[0] == "changed":
+            self.changed.update(dict.fromkeys(message[1]))
         elif message[0] == "relay" and self.relays is not None:
             said = self.relays.replay(message[1]) if message[1].get("kind") == "relay" else message[1]["text"]
             if said and said not in self.result.notes:
@@ -170,6 +184,19 @@ def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tup
     return strategy, notes
 
 
+@contextlib.contextmanager
+def _without_iterators(loaders: list):
+    """The notebook's ``loaders`` without their running iterators (persistent workers cannot be pickled)."""
+    kept = [(loader, loader._iterator) for loader in loaders]
+    try:
+        for loader, _ in kept:
+            loader._iterator = None
+        yield
+    finally:
+        for loader, iterator in kept:
+            loader._iterator = iterator
+
+
 def _ship(method: str, ns: dict, used: list, loaders: dict, compiled, relays: Relays):
     """What the workers get: the namespace itself under fork, else the packed values; the notebook's
     loggers (a SummaryWriter) stay in the kernel, ``relays`` taking the workers' calls on them.
@@ -191,9 +218,12 @@ def _ship(method: str, ns: dict, used: list, loaders: dict, compiled, relays: Re
         values[name]._iterator = None
     outgoing = Outgoing(shared=True)
     try:
-        packed, _ = pack_namespace(values, ns, droppable=set(names_assigned(compiled.tree)), share=travels_shared,
-                                   fingerprint=False, scratch=outgoing, sources={compiled.filename: compiled.source},
-                                   stand_in_for=relays.stand_in_for)
+        # A notebook function that reads a loader carries the notebook's own object: it too travels
+        # without its iterator, which is given back as soon as the values are packed.
+        with _without_iterators([ns[name] for name in loaders]):
+            packed, _ = pack_namespace(values, ns, droppable=set(names_assigned(compiled.tree)),
+                                       share=travels_shared, fingerprint=False, scratch=outgoing,
+                                       sources={compiled.filename: compiled.source}, stand_in_for=relays.stand_in_for)
     except Unshippable as exc:
         outgoing.close()
         name, value, error = exc.problems[0]
@@ -270,7 +300,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     probe = names_tree(used)
     if device is not None:
         resolve_device(device, {})   # a bad --device is said first: the model may be missing only because of it
-    modules = find_modules(probe, ns, [model] if model else None)
+    modules = find_modules(probe, ns, [model] if model else None, required=False)
+    if not modules:   # models kept in a list or dict; where there are none either, the error naming the choices
+        modules = held_modules(ns, used) or find_modules(probe, ns)
+    check_trainable(modules, ns, set(names_assigned(compiled.tree)))
     unused_model = model if model and model not in used else None
     device_name, move = resolve_device(device, modules)
     method, reason, fork_server = choose_method(start_method, device_name, nprocs)
@@ -287,7 +320,8 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                      + (f"; what it trains of {', '.join(read)} stays in the workers (--model {read[0]} shares "
                         "it)" if read else ""))
     # def, class and import statements run again in the kernel after the workers; other names stay there
-    definable = [n for n in definitions(compiled.tree) if n in names_assigned(compiled.tree)]
+    assigned = set(names_assigned(compiled.tree))
+    definable = [n for n in definitions(compiled.tree) if n in assigned]
     kept_in_workers = [n for n in names_assigned(compiled.tree)
                        if n not in set(quiet_targets(compiled.tree)) and n not in definable]
     if kept_in_workers:
@@ -311,7 +345,11 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                  # (a spawned worker starts with torch's defaults, not the kernel's float64, say)
                  "torch_settings": torch_settings.current(), "compile_settings": notebook_compile_settings(),
                  "loaders": loaders, "optimizers": list(optimizers),
-                 "modules": list(modules)})
+                 "modules": list(modules),
+                 # what a worker changes in place of these stays in its copy: the kernel says so
+                 "watched": watched_names(ns, [n for n in used if n not in modules and n not in optimizers
+                                               and n not in loaders and n not in assigned
+                                               and not is_relayed(ns[n])])})
     result = SharedTrainResult(modules=modules, nprocs=nprocs, start_method=method, start_reason=reason,
                                device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),
                                workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
@@ -362,6 +400,11 @@ def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress
             raise primary_error(errors)
         for name, settings in run.settings.items():
             apply_settings(result.modules[name], settings)
+        if run.changed:
+            result.notes.append(f"changed in the workers only, each in its own copy (the notebook's "
+                                f"{'is' if len(run.changed) == 1 else 'are'} as before the cell): "
+                                f"{', '.join(sorted(run.changed))}; report(name=value) sends values back "
+                                "(sharedtrain.history)")
         result.status = "done"
     except KeyboardInterrupt:
         result.status = "interrupted"

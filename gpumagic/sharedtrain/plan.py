@@ -15,7 +15,8 @@ from ..procs import forkserver
 from ..procs.cpus import check_process_count, physical_cores, usable_cpus
 from ..procs.start import choose_start_method
 
-__all__ = ["check_nprocs", "resolve_device", "loader_shardable", "choose_method", "FORKSERVER_PRELOAD"]
+__all__ = ["check_nprocs", "resolve_device", "held_modules", "check_trainable", "loader_shardable", "choose_method",
+           "FORKSERVER_PRELOAD"]
 
 # What the fork server imports once for every later cell's workers: torch, the worker's side, and
 # what a first optimizer call imports.
@@ -62,6 +63,39 @@ def resolve_device(spec, modules: dict) -> tuple[str, bool]:
         raise usage_error(f"the model is on {device}; Hogwild shares memory on the CPU or a CUDA GPU, "
                           "choose one with --device", _hogwild_devices())
     return device, False
+
+
+def held_modules(ns: dict, used: list[str]) -> dict:
+    """Modules the cell reaches in a notebook list, tuple or dict (``nets["g"]``), by the expression naming
+    each: shared in place like a module bound to a name."""
+    found: dict = {}
+    for name in used:
+        value = ns.get(name)
+        items = value.items() if isinstance(value, dict) else \
+            enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, item in items:
+            if isinstance(item, torch.nn.Module) and all(item is not m for m in found.values()):
+                found[f"{name}[{key!r}]"] = item
+    return found
+
+
+def _holds_tensors(module: torch.nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
+
+
+def check_trainable(modules: dict, ns: dict, assigned) -> None:
+    """Refuse a cell whose notebook modules hold no weights (a loss function, an activation): nothing
+    would be shared, and a model the cell builds itself is each worker's own and ends with it."""
+    if any(_holds_tensors(m) for m in modules.values()):
+        return
+    models = sorted(n for n, v in ns.items()
+                    if isinstance(v, torch.nn.Module) and not n.startswith("_") and _holds_tensors(v))
+    rebound = [n for n in models if n in assigned]
+    why = (f"the cell binds {', '.join(rebound)} itself, so each worker would train a new one of its own, "
+           "gone with it" if rebound else "a model the cell builds itself is each worker's own, gone with it")
+    raise usage_error(f"the notebook modules the cell uses ({', '.join(modules)}) have no weights, so nothing "
+                      f"would be shared or trained; {why}: build the model in an earlier cell and train that "
+                      "one (or name it with --model NAME)", models)
 
 
 def _device_name(device: torch.device) -> str:

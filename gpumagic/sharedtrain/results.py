@@ -23,6 +23,7 @@ class WorkerStats:
     pid: int | None = None
     steps: int = 0
     samples: int = 0
+    optimizer_steps: int = 0   # of any optimizer: each one updated the shared weights
     reports: int = 0
     first_step: float | None = None
     last_time: float | None = None
@@ -149,6 +150,10 @@ class SharedTrainResult:
     @property
     def samples(self) -> int:
         return sum(w.samples for w in self.workers)
+
+    @property
+    def optimizer_steps(self) -> int:
+        return sum(w.optimizer_steps for w in self.workers)
 
     @property
     def first_step(self) -> float | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import gc
 import numbers
+import os
 import sys
 import time
 from types import CodeType
@@ -31,6 +32,7 @@ from ..procs.display_relay import relay_in
 from ..procs.loaders import shard_loader
 from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
+from .changes import changed_names, snapshot
 from .sharing import match_optimizer_devices, private_state
 
 __all__ = ["train", "TASK", "Channel"]
@@ -98,7 +100,7 @@ class Channel:
         entries, self.buffer = self.buffer, []
         _resolve(entries)
         steps = self.steps if self.counting else self.reports
-        self._send(("tick", steps, self.samples, self.first, now - self.t0, entries))
+        self._send(("tick", steps, self.samples, self.first, now - self.t0, entries, self.optimizer_steps))
 
 
 def _plain(key, value, defer: bool = False):
@@ -182,10 +184,39 @@ def _no_shell():
     return None
 
 
+def leave_kernels_loader_workers() -> None:
+    """Under fork, let the copies of the notebook's DataLoader iterators drop without stopping their workers.
+
+    A forked worker holds copies of every iterator the notebook keeps (a loader's persistent
+    workers, ``dataiter = iter(loader)``). Their workers are the kernel's children, reached through
+    queues and an event shared with it: when a copy is dropped here (the cell rebinds the name, the
+    namespace is cleared), torch's shutdown would stop them under the notebook's loader, whose next
+    pass then fails. An iterator whose workers another process started is marked shut down instead.
+    """
+    from torch.utils.data import dataloader
+    cls = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if cls is None or not hasattr(cls, "_shutdown_workers"):   # (a torch without it: nothing to leave)
+        return
+    if getattr(cls._shutdown_workers, "_gpumagic_leaves_kernels", False):
+        return
+    own_shutdown = cls._shutdown_workers
+    pid = os.getpid()
+
+    def _shutdown_workers(self) -> None:
+        if any(getattr(w, "_parent_pid", pid) != pid for w in getattr(self, "_workers", ())):
+            self._shutdown = True   # the kernel's workers: not this process's to stop
+            return
+        own_shutdown(self)
+
+    _shutdown_workers._gpumagic_leaves_kernels = True  # type: ignore[attr-defined]
+    cls._shutdown_workers = _shutdown_workers
+
+
 def _namespace(meta: dict, data, stand_ins: dict) -> tuple[dict, CodeType]:
     """The cell's namespace and code: inherited under fork, unpacked otherwise; the notebook's loggers
     replaced by ``stand_ins``, which send the calls on them to the kernel."""
     if meta["method"] == "fork":
+        leave_kernels_loader_workers()
         ns = meta["namespace"]
         for name, token in meta.get("relayed", {}).items():
             ns[name] = stand_ins[token]
@@ -225,11 +256,15 @@ def train(ctx, meta: dict, data) -> None:
         ns["device"] = torch.device(meta["device"])
     from torch.optim.optimizer import register_optimizer_step_post_hook
     hook = register_optimizer_step_post_hook(channel.optimizer_step)
+    before = snapshot(ns, meta.get("watched") or [])
     try:
         with main_is_cell(ns):   # the notebook's classes pickle as __main__.X (torch.save(model, PATH))
             exec(code, ns)
         if on_gpu:
             torch.cuda.synchronize()
+        changed = changed_names(ns, before)
+        if changed:   # (this worker's copies: the kernel says the notebook's are as they were)
+            ctx.send(("changed", changed))
         if rank == 0:   # what the cell set on the model besides its shared tensors (model.eval())
             ctx.send(("settings", {n: module_settings(ns[n]) for n in meta.get("modules", [])
                                    if isinstance(ns.get(n), torch.nn.Module)}))
