@@ -189,3 +189,35 @@ def test_one_hundred_thousand_small_tensors_under_three_names_stay_fast(monkeypa
     assert rep.totals == {"cpu": 16 * 10**5} and len(rep.rows) == 3
     assert len(walks) == 1          # one walk for one object, whatever its names
     assert took < 3, took
+
+
+def test_deques_and_queues_hold_their_tensors():
+    # A replay buffer or the last losses kept in a deque (with their graphs) was memory no row showed.
+    import collections
+    import queue
+
+    class Window(collections.deque):
+        def __iter__(self):
+            raise RuntimeError("a subclass's iterator is notebook code; the scan does not call it")
+
+    losses = collections.deque(maxlen=3)
+    losses.extend(torch.zeros(250) for _ in range(5))   # the three kept: 3,000 bytes
+    window = Window([torch.zeros(10)])
+    pending = queue.Queue()
+    pending.put(torch.zeros(100))
+    assert rows({"losses": losses, "window": window, "pending": pending}) == \
+        {"losses": 3000, "pending": 400, "window": 40}
+
+
+def test_a_kept_error_holds_every_frame_of_its_traceback():
+    def layer(n):
+        act = torch.zeros(100 * (n + 1))     # noqa: F841 - the activation the frame keeps
+        if n == 0:
+            raise RuntimeError("out of memory")
+        layer(n - 1)
+
+    try:
+        layer(11)                              # twelve frames deep: deeper than max_depth
+    except RuntimeError as exc:
+        kept = exc
+    assert rows({"kept": kept}) == {"kept": sum(400 * (n + 1) for n in range(12))}

@@ -219,3 +219,16 @@ def test_notebook_tables_are_html(notebook, machine):
         assert len(cap.outputs) == 1 and "<table>" in cap.outputs[0].data["text/html"]
     assert monitor_threads() == []
     assert session._closers.get("gpumem-monitor") is None
+
+
+def test_a_long_interval_stops_at_once_and_one_past_what_a_wait_takes_is_refused(machine):
+    # stop() used to join for 4 x the interval: past threading.TIMEOUT_MAX that raised OverflowError.
+    mon = monitor.start(["cpu"], interval=3e9)
+    started = time.monotonic()
+    assert monitor.stop() is True
+    assert time.monotonic() - started < 2 and not mon.running and monitor_threads() == []
+    # The thread's first Event.wait(1e10) raised OverflowError: it died and the gauges froze.
+    for interval in (1e10, float("inf"), 0, -1):
+        with pytest.raises(ValueError, match="interval must be positive seconds up to 9223372036"):
+            monitor.Monitor(["cpu"], interval=interval)
+    assert monitor_threads() == []

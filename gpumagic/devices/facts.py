@@ -16,6 +16,7 @@ from . import nvml
 from .discovery import (
     Gpu,
     cpu_only_note,
+    default_device,
     multiprocessors,
     normalize_bus_id,
     torch_cpu_only,
@@ -35,6 +36,8 @@ _OTHER_DEVICES = {"meta": "meta tensors (shapes only, no storage)", "mps": "Appl
 def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     """``{"system": {...}, "devices": [cpu facts, cuda:0 facts, ...], "notes": [...]}``.
 
+    ``system["current_device"]`` is the device later gpumagic cells run on.
+
     ``device`` (a canonical name from :func:`~.discovery.parse_device`) keeps one
     device; ``with_pycuda`` adds every CUDA attribute under ``"attributes"``.
 
@@ -46,6 +49,7 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     """
     gpus = visible_gpus()
     system = system_facts()
+    system["current_device"] = default_device(gpus)   # where gpumagic cells run: what the picker shows
     found: list[dict] = []
     notes: list[str] = []
     if not nvml.available():

@@ -81,8 +81,10 @@ def _pct(fraction) -> str:
 class MemorySnapshot:
     """What ``%gpumem`` shows: one :class:`DeviceMemory` per device, and notes.
 
-    ``rows`` holds the figures; ``as_dict()`` gives plain data. Shown as an
-    HTML table in a notebook and as text in a terminal.
+    ``rows`` holds the figures; ``as_dict()`` gives plain data
+    (``{"devices": {name: figures}, "notes": [...]}``, the notes kept as
+    ``%gpuinfo --json`` keeps them). Shown as an HTML table in a notebook and
+    as text in a terminal.
     """
 
     def __init__(self, rows: list[DeviceMemory], notes: list[str] | None = None):
@@ -96,7 +98,7 @@ class MemorySnapshot:
         raise KeyError(device)
 
     def as_dict(self) -> dict:
-        return {row.device: row.as_dict() for row in self.rows}
+        return {"devices": {row.device: row.as_dict() for row in self.rows}, "notes": list(self.notes)}
 
     def _cells(self) -> list[list[str]]:
         cells = []

@@ -1,16 +1,29 @@
 """Which tensor storages an object reaches, for ``%gpumem --vars`` (:mod:`.variables`).
 
-The walk reads what objects hold: dict values, list items, ``__dict__`` and
-slots, never a property or ``__getattr__`` (they may compute, load or count);
-of torch's own objects it asks their API (a module's parameters, an
-optimizer's state). Nothing here imports torch: the caller passes it in.
+The walk reads what objects hold: dict values, list and deque items,
+``__dict__`` and slots, never a property, ``__getattr__`` or an overridden
+method (they may compute, load or count): a module's parameters come from
+its registries, an optimizer's state from its ``__dict__``, a tensor
+subclass is read with its ``__torch_function__`` switched off. Callables
+hold what they will use: a function its closure cells, defaults and
+attributes (never its globals: that is the notebook itself), a bound method
+its ``__self__``, a ``functools.partial`` its function and arguments; a
+class defined in the notebook its class attributes; a kept error its
+traceback's frames. numpy arrays count their buffer on the cpu. Nothing
+here imports torch or numpy: the caller passes torch in, and numpy is read
+only where the notebook imported it.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import mmap
+import sys
 import types
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -22,20 +35,30 @@ class Collector:
 
     ``via_optimizer`` holds the parameters (and gradients) an optimizer reaches
     through its param groups: they count for it only where no variable holds them.
+    ``skip`` holds ids of objects the walk never enters.
     """
 
-    def __init__(self, torch, max_depth: int, max_items: int, slots: dict | None = None):
+    def __init__(self, torch, max_depth: int, max_items: int, slots: dict | None = None,
+                 skip: frozenset[int] = frozenset()):
         self.torch = torch
         self.max_depth = max_depth
         self.max_items = max_items
         self.storages: dict[tuple, tuple[str, int, str]] = {}
         self.via_optimizer: dict[tuple, tuple[str, int, str]] = {}
-        self.visited: set[int] = set()
+        # ids of objects never entered: the namespace itself and what holds it (the shell), whose
+        # contents are every variable's, listed under their own names
+        self.visited: set[int] = set(skip)
         self._queue: deque = deque()   # (object, depth, part) to read: see walk()
         self.truncated = False
-        self.slots = {} if slots is None else slots   # class -> its slot descriptors, shared by a scan
+        # id(class) -> its slot descriptors, shared by a scan. Classes are looked up by id, never
+        # hashed: a metaclass's __hash__ is notebook code (and may raise).
+        self.slots = {} if slots is None else slots
         self.compressed = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
         self.uninitialized = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())
+        numpy = sys.modules.get("numpy")   # never imported here: without it no array exists
+        self.ndarray = numpy.ndarray if numpy is not None else None
+        # ndarray's own getters, looked up once: a subclass's properties of the same names are not asked
+        self._array_get = {k: vars(self.ndarray)[k] for k in _ARRAY_GETTERS} if numpy is not None else {}
 
     def add_tensor(self, t, part: str, into: dict | None = None) -> None:
         into = self.storages if into is None else into
@@ -74,18 +97,51 @@ class Collector:
             except Exception:  # one unreadable tensor must not hide the rest of the variable
                 logger.debug("a %s has no size to read; skipping it", type(t).__name__, exc_info=True)
                 return
+        self._add(into, key, device, nbytes, part)
+
+    @staticmethod
+    def _add(into: dict, key: tuple, device: str, nbytes: int, part: str) -> None:
         known = into.get(key)
         # Two storages can start at one address (torch.from_numpy of an array and of its first half).
         if known is None or nbytes > known[1]:
             into[key] = (device, nbytes, known[2] if known else part)
 
+    def add_array(self, a, depth: int, part: str) -> None:
+        """A numpy array: the buffer it keeps alive, read through ndarray's own getters (a subclass's
+        properties are not asked). A view counts its whole base, as a tensor view its storage; an
+        array over a tensor (``t.numpy()``) counts the tensor's storage; one over a file (``np.memmap``)
+        counts nothing: its pages are the file's, not the kernel's memory."""
+        nd: Any = self.ndarray   # set: only arrays get here
+        getter = self._array_get
+        root, base = a, getter["base"].__get__(a, nd)
+        while base is not None and issubclass(type(base), nd):
+            root, base = base, getter["base"].__get__(base, nd)
+        if issubclass(type(base), self.torch.Tensor):
+            self.add_tensor(base, part)
+        elif not issubclass(type(base), mmap.mmap):
+            ptr = getter["__array_interface__"].__get__(root, nd)["data"][0]
+            nbytes = int(getter["nbytes"].__get__(root, nd))
+            self._add(self.storages, ("cpu", ptr) if ptr else ("cpu", "empty", id(root)), "cpu", nbytes, part)
+        if getter["dtype"].__get__(a, nd).hasobject and depth < self.max_depth and id(a) not in self.visited:
+            # An array of Python objects holds them (tensors among them, sometimes).
+            self.visited.add(id(a))
+            for i, item in enumerate(getter["flat"].__get__(a, nd)):
+                if i >= self.max_items:
+                    self.truncated = True
+                    break
+                self._reach(item, depth + 1, "tensors" if part == "arrays" else part)
+
     def walk(self, obj, depth: int = 0, part: str = "tensors") -> None:
         """Read ``obj`` and what it holds, breadth first: each object where it is nearest the top
         (first reached deep, through a back reference, its contents were cut at ``max_depth``)."""
         self._queue.clear()
-        self._reach(obj, depth, part)
-        while self._queue:
-            self._visit(*self._queue.popleft())
+        # A tensor subclass's __torch_function__ is notebook code, run by every attribute read
+        # (t.device, t.grad): switched off for the walk, the reads answer what torch holds.
+        plain = getattr(self.torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
+        with plain():
+            self._reach(obj, depth, part)
+            while self._queue:
+                self._visit(*self._queue.popleft())
 
     def _reach(self, obj, depth: int, part: str) -> None:
         """A tensor is counted now; a holder is read once its turn comes."""
@@ -96,7 +152,9 @@ class Collector:
             self.add_tensor(obj, part)
             if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
                 self.add_tensor(obj.grad, "grads")
-        elif cls not in _ATOMS and depth <= self.max_depth and id(obj) not in self.visited:
+        elif self.ndarray is not None and issubclass(cls, self.ndarray):
+            self.add_array(obj, depth, "arrays" if part == "tensors" else part)
+        elif id(cls) not in _ATOMS and depth <= self.max_depth and id(obj) not in self.visited:
             self._queue.append((obj, depth, part))
 
     def _visit(self, obj, depth: int, part: str) -> None:
@@ -114,13 +172,37 @@ class Collector:
         items: Iterable
         if issubclass(cls, dict):
             items = dict.values(obj)  # the stored values, not what an overridden values() computes
-        elif issubclass(cls, (list, tuple, set, frozenset)):
-            base = next(b for b in (list, tuple, set, frozenset) if issubclass(cls, b))
-            items = base.__iter__(obj)
+        elif issubclass(cls, _SEQUENCES):
+            # the base type's iterator: a subclass's __iter__ is notebook code. A deque (a replay
+            # buffer, the last losses) is copied first: iterating one that grows raises.
+            base = next(b for b in _SEQUENCES if issubclass(cls, b))
+            items = list(deque.__iter__(obj)) if base is deque else base.__iter__(obj)
+        elif id(cls) in _CALLABLES:
+            items = _callable_parts(obj, cls)
+        elif issubclass(cls, functools.partial):
+            items = [*_partial_parts(obj), *self._attributes(obj, cls)]
         elif issubclass(cls, types.GeneratorType):
             # A started generator keeps its locals (a batch, a model) alive; never iterate it.
             frame = obj.gi_frame
             items = list(frame.f_locals.values()) if frame is not None else ()
+        elif issubclass(cls, BaseException):
+            # A kept error keeps its traceback's frames, and their locals (a batch, activations), alive.
+            items = [*(_BASE_ERROR[k].__get__(obj) for k in ("__traceback__", "__cause__", "__context__")),
+                     *_BASE_ERROR["args"].__get__(obj), *self._attributes(obj, cls)]
+        elif cls is types.TracebackType:
+            # every frame of the chain one level down: a deep traceback is one list, not a nesting
+            items = []
+            while obj is not None and len(items) <= self.max_items:
+                items.append(obj.tb_frame)
+                obj = obj.tb_next
+        elif cls is types.FrameType:
+            # its locals, not f_back: the frames that called it are alive anyway, or in this traceback
+            items = list(obj.f_locals.values())
+        elif issubclass(cls, type):
+            # A notebook's class keeps its class attributes (a cache shared by every instance);
+            # a library's classes hold no notebook memory and would only slow the scan.
+            attrs = _CLASS_DICT.__get__(obj)
+            items = list(attrs.values()) if attrs.get("__module__") == "__main__" else ()
         elif not issubclass(cls, _NOT_HOLDERS):
             # an object's attributes (a dataset, a loader, a Trainer, an instance of a notebook class)
             items = self._attributes(obj, cls)
@@ -133,33 +215,75 @@ class Collector:
             self._reach(item, depth + 1, part)
 
     def _module(self, module, depth: int) -> None:
-        for p in module.parameters():
+        # The registries themselves, read from each module's __dict__: parameters(), buffers() and
+        # modules() are methods a subclass may override (notebook code), and they raise on a module
+        # whose __init__ never called Module.__init__, whose tensors are memory all the same.
+        Tensor = self.torch.Tensor
+        params: list = []
+        buffers: list = []
+        others: list = []
+        todo, seen = [module], set()
+        while todo:
+            m = todo.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            attrs = _instance_dict(m)
+            registries = [attrs.get(k) for k in _MODULE_REGISTRIES]
+            found = self._registries(m, registries)
+            params.extend(t for t in found[0] if issubclass(type(t), Tensor))
+            buffers.extend(t for t in found[1] if issubclass(type(t), Tensor))
+            todo.extend(sub for sub in found[2] if issubclass(type(sub), self.torch.nn.Module))
+            # Tensors kept as plain attributes (a cache, a mask not registered as a buffer, layers
+            # in a plain list) hold memory too.
+            others.extend(v for v in self._attributes(m, type(m)) if not any(v is r for r in registries))
+        self.visited.update(seen)
+        for p in params:
             self.add_tensor(p, "params")
-        for b in module.buffers():
+        for b in buffers:
             self.add_tensor(b, "buffers")
-        for p in module.parameters():
+        for p in params:
             if p.grad is not None:
                 self.add_tensor(p.grad, "grads")
-        # Tensors kept as plain attributes (a cache, a mask not registered as a buffer, layers
-        # in a plain list) hold memory too; the registries were counted above.
-        for sub in module.modules():
-            attrs = self._attributes(sub, type(sub))
-            registries = [vars(sub).get(k) for k in _MODULE_REGISTRIES]
-            for value in attrs:
-                if not any(value is r for r in registries):
-                    self._reach(value, depth + 1, "tensors")
+        for value in others:
+            self._reach(value, depth + 1, "tensors")
+
+    def _registries(self, m, registries: list) -> tuple[list, list, list]:
+        """``m``'s own parameters, buffers and submodules.
+
+        A TorchScript module keeps them in C++ (wrappers, or nothing, in its ``__dict__``): torch's
+        own API reads them there, and no notebook class can stand behind it.
+        """
+        if all(issubclass(type(r), dict) for r in registries) or \
+                not issubclass(type(m), self.torch.jit.ScriptModule):
+            return _dict_values(registries[0]), _dict_values(registries[1]), _dict_values(registries[2])
+        try:
+            return (list(m.parameters(recurse=False)), list(m.buffers(recurse=False)),
+                    [sub for _, sub in m.named_children()])
+        except Exception:  # a half-built script module; its plain attributes are still read
+            logger.debug("a %s does not list its parameters; reading its attributes only",
+                         type(m).__name__, exc_info=True)
+            return [], [], []
 
     def _optimizer(self, opt, depth: int) -> None:
         # Its own memory is the state; its parameters belong to their model (see variable_memory).
-        for state in list(opt.state.values()):
-            for value in (state.values() if isinstance(state, dict) else (state,)):
+        # state and param_groups come from its __dict__ (a wrapper may make them properties); its
+        # other attributes are read too: a wrapper keeps the optimizer it wraps there.
+        attrs = _instance_dict(opt)
+        for state in list(_dict_values(attrs.get("state"))):
+            for value in (_dict_values(state) if issubclass(type(state), dict) else (state,)):
                 self._reach(value, depth + 1, "state")
-        for group in list(getattr(opt, "param_groups", ())):
-            for p in group.get("params", ()) if isinstance(group, dict) else ():
+        groups: Any = attrs.get("param_groups")
+        for group in list(groups) if issubclass(type(groups), list) else ():
+            params = dict.get(group, "params", ()) if issubclass(type(group), dict) else ()
+            for p in list(params) if issubclass(type(params), (list, tuple)) else ():
                 if issubclass(type(p), self.torch.Tensor):
                     self.add_tensor(p, "params", self.via_optimizer)
                     if p.grad is not None:
                         self.add_tensor(p.grad, "grads", self.via_optimizer)
+        for key, value in attrs.items():
+            if key not in ("state", "param_groups"):
+                self._reach(value, depth + 1, "tensors")
 
     def _attributes(self, obj, cls) -> list:
         """The values in ``obj.__dict__`` and its slots, read without running the notebook's code.
@@ -174,9 +298,9 @@ class Collector:
             attrs = None
         if type(attrs) is dict:
             values.extend(attrs.values())
-        slots = self.slots.get(cls)
+        slots = self.slots.get(id(cls))
         if slots is None:
-            slots = self.slots[cls] = tuple(
+            slots = self.slots[id(cls)] = tuple(
                 d for k in cls.__mro__ if "__slots__" in vars(k)
                 for d in vars(k).values() if type(d) is types.MemberDescriptorType)
         for descriptor in slots:
@@ -187,9 +311,68 @@ class Collector:
         return values
 
 
-# Objects whose attributes are not data a variable holds: modules, classes, functions.
-_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-# Values that hold no other object: not worth remembering as visited.
-_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
-# A torch Module's registries of parameters, buffers and submodules, counted through its own API.
+def _instance_dict(obj) -> dict:
+    """``obj.__dict__`` without asking ``__getattr__`` (empty where there is none)."""
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return {}
+    return attrs if issubclass(type(attrs), dict) else {}
+
+
+def _dict_values(d) -> list:
+    """A dict's stored values (an overridden ``values()`` is not asked); nothing for a non-dict."""
+    return list(dict.values(d)) if issubclass(type(d), dict) else []
+
+
+def _callable_parts(fn, cls) -> list:
+    """What a function or bound method keeps alive, read from the interpreter's own fields.
+
+    These types cannot be subclassed, so no notebook code answers the reads.
+    A function's ``__globals__`` is left out: it is the notebook's namespace,
+    whose variables are listed under their own names.
+    """
+    if cls is types.FunctionType:
+        parts: list = []
+        for cell in fn.__closure__ or ():
+            try:
+                parts.append(cell.cell_contents)
+            except ValueError:  # a cell not bound yet (a name assigned later in the outer function)
+                pass
+        parts.extend(fn.__defaults__ or ())
+        parts.extend((fn.__kwdefaults__ or {}).values())
+        attrs = fn.__dict__   # function attributes: __wrapped__ of a decorated function
+        parts.extend(dict.values(attrs))
+        return parts
+    owner = fn.__self__      # a bound method: the object it runs on
+    if cls is types.MethodType:
+        return [owner, fn.__func__]
+    return [] if issubclass(type(owner), types.ModuleType) else [owner]  # a builtin's __self__ may be its module
+
+
+def _partial_parts(p) -> list:
+    """A ``functools.partial``'s function, arguments and keywords, through the base class's
+    descriptors (a subclass's ``__getattribute__`` is not asked)."""
+    base = functools.partial
+    keywords = vars(base)["keywords"].__get__(p, base)
+    return [vars(base)["func"].__get__(p, base), *vars(base)["args"].__get__(p, base),
+            *(dict.values(keywords) if type(keywords) is dict else ())]
+
+
+# BaseException's own getters: a subclass's properties of the same names are not asked.
+_BASE_ERROR = vars(BaseException)
+# Containers read item by item through their base type's iterator.
+_SEQUENCES = (list, tuple, set, frozenset, deque)
+# What add_array reads of an array.
+_ARRAY_GETTERS = ("base", "__array_interface__", "nbytes", "dtype", "flat")
+# ids of the callables whose parts _callable_parts reads.
+_CALLABLES = frozenset(map(id, (types.FunctionType, types.MethodType, types.BuiltinMethodType,
+                               types.MethodWrapperType)))
+# A class's own namespace, read through type's getter (a metaclass's properties are not asked).
+_CLASS_DICT = vars(type)["__dict__"]
+# Objects whose attributes are not data a variable holds.
+_NOT_HOLDERS = (types.ModuleType,)
+# ids of the types of values that hold no other object: not worth remembering as visited.
+_ATOMS = frozenset(map(id, (str, bytes, int, float, complex, bool, type(None))))
+# A torch Module's registries of parameters, buffers and submodules, in its __dict__.
 _MODULE_REGISTRIES = ("_parameters", "_buffers", "_modules")

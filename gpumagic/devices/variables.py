@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import types
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
@@ -38,7 +39,8 @@ class VarMemory:
     """Bytes that notebook variable ``name`` holds on ``device``.
 
     ``parts`` splits them (``params``, ``buffers``, ``grads``, ``state``,
-    ``tensors``); ``shared`` is how many of them other listed variables hold too.
+    ``tensors``); ``shared`` is how many of them other listed variables hold too,
+    ``shared_with`` which variables those are.
     """
     name: str
     type: str
@@ -47,6 +49,7 @@ class VarMemory:
     parts: dict = field(default_factory=dict)
     shared: int = 0
     truncated: bool = False
+    shared_with: list[str] = field(default_factory=list)
 
 
 class VarsReport:
@@ -74,7 +77,8 @@ class VarsReport:
     def as_dict(self) -> dict:
         return {
             "variables": [{"name": r.name, "type": r.type, "device": r.device, "bytes": r.nbytes,
-                           "parts": dict(r.parts), "shared": r.shared, "truncated": r.truncated}
+                           "parts": dict(r.parts), "shared": r.shared, "shared_with": list(r.shared_with),
+                           "truncated": r.truncated}
                           for r in self.rows],
             "totals": dict(self.totals),
             "notes": list(self.notes),
@@ -86,8 +90,7 @@ class VarsReport:
             parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.parts.items() if v) or "-"
             if r.truncated:
                 parts += " (first items only)"
-            cells.append([r.name, r.type, r.device, fmt_bytes(r.nbytes), parts,
-                          fmt_bytes(r.shared) if r.shared else "-"])
+            cells.append([r.name, r.type, r.device, fmt_bytes(r.nbytes), parts, _shared_cell(r)])
         for device, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
             cells.append(["(total)", "", device, fmt_bytes(total), "each storage once", ""])
         return cells
@@ -111,25 +114,43 @@ class VarsReport:
         return self.text()
 
 
+def _shared_cell(row: VarMemory, most: int = 3) -> str:
+    """``1.0 MiB with model, opt`` (at most ``most`` names, then how many more)."""
+    if not row.shared:
+        return "-"
+    names = ", ".join(row.shared_with[:most])
+    more = len(row.shared_with) - most
+    return f"{fmt_bytes(row.shared)} with {names}" + (f" +{more}" if more > 0 else "")
+
+
 def _is_user_variable(name: str, hidden) -> bool:
     return not name.startswith("_") and name not in hidden
 
 
-def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
-                    max_depth: int = 6, max_items: int = 100_000, history: dict | None = None) -> VarsReport:
+def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_depth: int = 6,
+                    max_items: int = 100_000, history: dict | None = None, holders=(),
+                    last_error: BaseException | None = None) -> VarsReport:
     """Which variables in ``user_ns`` hold tensor memory, on which device, largest first.
 
     Tensors, modules (parameters, buffers, gradients, tensors kept as plain
     attributes), optimizers (their state; their parameters too where no
     variable holds the model) and tensors inside lists, tuples, sets, dicts,
-    objects' attributes and slots and started generators' locals
-    (``max_depth`` levels deep, ``max_items`` per container).
-    ``history`` (IPython's ``Out``) is not a variable, but a note says what
-    it alone holds. Each row counts every storage
+    deques, objects' attributes and slots, started generators' locals and
+    kept errors' frames (``max_depth`` levels deep, ``max_items`` per
+    container); numpy arrays on the cpu (a ``torch.from_numpy`` tensor and
+    its array are one storage).
+    ``history`` (IPython's ``Out``) and ``last_error`` (``sys.last_value``:
+    its traceback's frames keep their locals) are not variables, but a note
+    says what they alone hold. Each row counts every storage
     it reaches once, so a view costs what its whole storage costs and tied
     weights count once; ``totals`` counts each byte once over all rows.
     Names starting with ``_`` and names in ``hidden`` (IPython's own) are
-    skipped. Never imports torch, never initialises CUDA, never reads a property.
+    skipped. Functions count what their closures and defaults hold, bound
+    methods their object, ``functools.partial`` its arguments: a name gets
+    everything it keeps alive, and ``shared`` says which other names keep
+    the same storage. The walk never enters ``user_ns`` itself, ``history``
+    or ``holders`` (the shell: ``ip = get_ipython()`` holds every variable
+    through it). Never imports torch, never initialises CUDA, never reads a property.
 
     In a notebook::
 
@@ -141,7 +162,8 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
     torch = _torch()
     if torch is None:  # no torch imported, so no tensors exist
         return VarsReport([], {})
-    per_var, owners = _collect(torch, user_ns, hidden, max_depth, max_items)
+    skip = _skip(user_ns, history, holders)
+    per_var, owners, unread = _collect(torch, user_ns, hidden, max_depth, max_items, skip)
     rows: list[VarMemory] = []
     counted: dict[tuple, tuple[str, int]] = {}
     for name, (type_name, collector) in per_var.items():
@@ -156,26 +178,43 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None,
             row.parts[part] = row.parts.get(part, 0) + nbytes
             if len(owners[key]) > 1:
                 row.shared += nbytes
+                row.shared_with.extend(n for n in sorted(owners[key]) if n != name and n not in row.shared_with)
             if key not in counted or nbytes > counted[key][1]:
                 counted[key] = (dev, nbytes)
         rows.extend(r for r in by_device.values() if r.nbytes)
     rows.sort(key=lambda r: (-r.nbytes, r.name, r.device))
     notes = []
     if any(r.shared for r in rows):
-        notes.append("shared: bytes other listed variables hold too (views, tied weights, "
-                     "the same tensor under two names); totals count them once.")
+        notes.append("shared: bytes other listed variables hold too (views, tied weights, the same "
+                     "tensor under two names, a function or partial over a variable); totals count them once.")
+    if unread:
+        notes.append(f"not read, so not listed: {', '.join(unread)} (reading them failed; "
+                     "the log of gpumagic.devices.variables says why).")
     if any(r.truncated for r in rows):
         notes.append(f"(first items only): a container had more than {max_items} items; the rest were not read.")
-    if history:
-        notes += _history_note(history, device, lambda: owners)
+    notes += _kept_notes(history, last_error, device, lambda: owners, _skip(user_ns, None, holders))
     totals = _totals(counted)
     return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes)
 
 
-def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int):
-    """Each listed variable's collector, and which variables reach each storage."""
+def _skip(user_ns: dict | None, history: dict | None, holders) -> frozenset[int]:
+    """ids of what a variable's walk never enters: the namespace, the history, their holders.
+
+    The shell is always among the holders where the namespace is IPython's (its ``get_ipython``
+    is the shell's bound method), so ``variable_memory(globals())`` in a notebook does not list
+    ``exit``, ``quit`` and ``get_ipython`` as holding every variable through the shell.
+    """
+    getter = (user_ns or {}).get("get_ipython")
+    shell = getter.__self__ if type(getter) is types.MethodType else None
+    return frozenset(id(o) for o in (user_ns, history, shell, *holders) if o is not None)
+
+
+def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip: frozenset[int] = frozenset()):
+    """Each listed variable's collector, which variables reach each storage, and the names
+    whose walk failed (``name (ErrorType)``)."""
     hidden = set(hidden)
     per_var: dict[str, tuple[str, Collector]] = {}
+    unread: list[str] = []
     walked: dict[int, Collector] = {}   # one walk per object, however many names it has
     slots: dict = {}
     for name, value in list(user_ns.items()):
@@ -183,11 +222,12 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int):
             continue
         collector = walked.get(id(value))
         if collector is None:
-            collector = Collector(torch, max_depth, max_items, slots)
+            collector = Collector(torch, max_depth, max_items, slots, skip)
             try:
                 collector.walk(value)
-            except Exception:  # an odd object must not spoil the report
+            except Exception as exc:  # an odd object must not spoil the report; a note names it
                 logger.debug("skipping variable %r: walking it for tensors failed", name, exc_info=True)
+                unread.append(f"{name} ({type(exc).__name__})")
                 continue
             walked[id(value)] = collector
         if collector.storages or collector.via_optimizer:
@@ -209,7 +249,7 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int):
                 collector.storages.setdefault(key, record)
     for key, names in orphans.items():
         owners[key] = names
-    return per_var, owners
+    return per_var, owners, unread
 
 
 def _totals(counted: dict[tuple, tuple[str, int]]) -> dict[str, int]:
@@ -233,27 +273,39 @@ def _totals(counted: dict[tuple, tuple[str, int]]) -> dict[str, int]:
     return totals
 
 
-def _history_note(history: dict, device: str | None, held: Callable[[], Container]) -> list[str]:
-    """What IPython's output history (``Out``) alone keeps alive: memory no variable holds,
-    yet nothing frees. Storages ``held()`` names (a variable's too) are left out: resetting
-    would not free them. ``held`` is called only when the history holds tensors at all."""
-    collector = Collector(_torch(), 6, 100_000)
-    try:
-        collector.walk(history)
-    except Exception:
-        logger.debug("walking the output history for tensors failed", exc_info=True)
-        return []
-    kept: dict[str, int] = {}
-    held_keys = held() if collector.storages else ()
-    for key, (dev, nbytes, _) in collector.storages.items():
-        if key not in held_keys and (device is None or dev == device):
-            kept[dev] = kept.get(dev, 0) + nbytes
-    kept = {d: b for d, b in kept.items() if b}
-    if not kept:
-        return []
-    held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
-    return [f"the output history (Out[...]) still holds tensors: {held_text} that no variable holds; "
-            "`%reset -f out` lets them go."]
+def _kept_notes(history: dict | None, last_error: BaseException | None, device: str | None,
+                held: Callable[[], Container], skip: frozenset[int] = frozenset()) -> list[str]:
+    """What IPython's output history (``Out``) and the last error's traceback alone keep alive:
+    memory no variable holds, yet nothing frees. Storages ``held()`` names (a variable's too) are
+    left out: letting these go would not free them. ``held`` is called only where one of them
+    holds tensors at all."""
+    clear = " = ".join([*(["sys.last_exc"] if sys.version_info >= (3, 12) else []),
+                        "sys.last_value", "sys.last_traceback", "None"])
+    sources = [(history, "the output history (Out[...])", "`%reset -f out` lets them go."),
+               (last_error, "the last error's traceback (sys.last_traceback, its frames' locals)",
+                f"`{clear}` (after `import sys`), then `%gpumem --free`, lets them go; so does the next error.")]
+    notes: list[str] = []
+    held_keys: Container | None = None
+    for source, what, how in sources:
+        if source is None:   # never bool(): an error class's __bool__ or __len__ is notebook code
+            continue
+        collector = Collector(_torch(), 6, 100_000, skip=skip)
+        try:
+            collector.walk(source)
+        except Exception:
+            logger.debug("walking %s for tensors failed", what, exc_info=True)
+            continue
+        if collector.storages and held_keys is None:
+            held_keys = held()
+        kept: dict[str, int] = {}
+        for key, (dev, nbytes, _) in collector.storages.items():
+            if key not in (held_keys or ()) and (device is None or dev == device):
+                kept[dev] = kept.get(dev, 0) + nbytes
+        kept = {d: b for d, b in kept.items() if b}
+        if kept:
+            held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+            notes.append(f"{what} still holds tensors: {held_text} that no variable holds; {how}")
+    return notes
 
 
 # --------------------------------------------------------------------------- freeing
@@ -318,16 +370,16 @@ class FreeReport:
         return self.text()
 
 
-def free_memory(device: str | None = None, history: dict | None = None,
-                user_ns: dict | None = None, hidden=()) -> FreeReport:
+def free_memory(device: str | None = None, history: dict | None = None, user_ns: dict | None = None,
+                hidden=(), holders=(), last_error: BaseException | None = None) -> FreeReport:
     """Collect garbage and release torch's cached blocks; report what was freed.
 
     GPUs report torch's reserved bytes before and after (only devices this
     kernel initialised; the others hold nothing of ours); the CPU reports the
     kernel's resident memory. ``device`` limits the report, not the freeing
     (``gc`` and ``empty_cache`` act on everything). ``history`` (IPython's
-    ``Out``) is checked for tensors it alone keeps alive (no variable of
-    ``user_ns`` holds them), which nothing can free.
+    ``Out``) and ``last_error`` are checked for tensors they alone keep alive
+    (no variable of ``user_ns`` holds them), which freeing cannot release.
 
     In a notebook::
 
@@ -362,8 +414,11 @@ def free_memory(device: str | None = None, history: dict | None = None,
     if device is not None:
         rows = [r for r in rows if r.device == device]
     notes = []
-    if history and torch is not None:
-        notes = _history_note(history, device, lambda: _collect(torch, user_ns or {}, hidden, 6, 100_000)[1])
+    if torch is not None:
+        ns = user_ns or {}
+        notes = _kept_notes(history, last_error, device,
+                            lambda: _collect(torch, ns, hidden, 6, 100_000, _skip(ns, history, holders))[1],
+                            _skip(ns, None, holders))
     if not cuda and (device is None or device.startswith("cuda")):
         notes.append("this kernel has not initialised CUDA, so it holds no cached GPU blocks.")
     return FreeReport(rows, collected, notes)

@@ -169,4 +169,8 @@ class InfoMagics(Magics):
             show(rendered)
             show(DevicePicker(device_report()["devices"] if device else report["devices"]).widget)
         else:
+            # No picker here: say where cells run and how to change it.
             print(rendered.text)
+            from ..devices import available_devices
+            print(f"gpumagic cells run on {report['system']['current_device']}; "
+                  f"gpumagic.set_current_device(DEVICE) changes it ({', '.join(available_devices())}).")

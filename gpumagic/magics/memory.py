@@ -1,6 +1,7 @@
 """``%gpumem``: memory per device, live gauges, which variables hold it, freeing it."""
 from __future__ import annotations
 
+import argparse
 import math
 
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -12,6 +13,17 @@ from .args import parse
 
 _ACTIONS = ("--watch", "--stop", "--vars", "--free")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
+MAX_INTERVAL = 3600.0  # an hour: gauges that slow show nothing live (and past TIMEOUT_MAX the thread died)
+_INTERVAL_RANGE = f"must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL:.0f}"
+_INTERVAL_CHOICES = [f"{MIN_INTERVAL}", "0.25 (default)", "0.5", "1", "...", f"{MAX_INTERVAL:.0f}"]
+
+
+def _seconds(text: str) -> float:
+    """``--interval``'s value; a word that is no number names the valid range (argparse's would not)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_INTERVAL_RANGE}, not {text!r}") from None
 
 
 def memory_devices(gpus) -> list[str]:
@@ -35,9 +47,8 @@ def check_args(args, gpus) -> str | None:
     if args.interval is not None:
         if not args.watch:
             raise usage_error("--interval only applies to --watch", ["--watch --interval S"])
-        if not (math.isfinite(args.interval) and args.interval >= MIN_INTERVAL):
-            raise usage_error(f"--interval must be a number of seconds from {MIN_INTERVAL}, not {args.interval}",
-                              [f"{MIN_INTERVAL}", "0.25 (default)", "0.5", "1", "..."])
+        if not (math.isfinite(args.interval) and MIN_INTERVAL <= args.interval <= MAX_INTERVAL):
+            raise usage_error(f"--interval {_INTERVAL_RANGE}, not {args.interval}", _INTERVAL_CHOICES)
     if args.device is None:
         return None
     choices = memory_devices(gpus)
@@ -95,8 +106,9 @@ class MemoryMagics(Magics):
               help="one device: cpu, cuda (or gpu), cuda:N, N, mps (default: every device)")
     @argument("--watch", action="store_true",
               help="live gauges, one per device, fed by one background thread (notebook only)")
-    @argument("--interval", type=float, default=None, metavar="S",
-              help="seconds between gauge updates with --watch (default 0.25: at most 4 a second)")
+    @argument("--interval", type=_seconds, default=None, metavar="S",
+              help=f"seconds between gauge updates with --watch, {MIN_INTERVAL} to {MAX_INTERVAL:.0f} "
+                   "(default 0.25: at most 4 a second)")
     @argument("--stop", action="store_true", help="stop the gauges and close them")
     @argument("--vars", action="store_true",
               help="which notebook variables hold memory on which device, largest first")
@@ -139,14 +151,26 @@ class MemoryMagics(Magics):
             watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL)
             return None
         if args.vars:
+            # The shell holds every variable (user_ns, Out, `_`): through it, `ip = get_ipython()` would list them all.
             report = variables.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,
-                                               device=device, history=self.shell.user_ns.get("Out"))
+                                               device=device, history=self.shell.user_ns.get("Out"),
+                                               holders=(self.shell,), last_error=_last_error())
             return _report(self.shell, report, args.json)
         if args.free:
-            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"),
-                                          user_ns=self.shell.user_ns, hidden=self.shell.user_ns_hidden)
+            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"), user_ns=self.shell.user_ns,
+                                          hidden=self.shell.user_ns_hidden, holders=(self.shell,),
+                                          last_error=_last_error())
             return _report(self.shell, freed, args.json)
         return _report(self.shell, memory.snapshot(device, gpus), args.json)
+
+
+def _last_error() -> BaseException | None:
+    """The error IPython last showed: its traceback's frames keep their locals alive until the next."""
+    import sys
+    error = getattr(sys, "last_exc", None)
+    if error is None:   # before Python 3.12; `or` would ask the error's own __bool__
+        error = getattr(sys, "last_value", None)
+    return error if issubclass(type(error), BaseException) else None
 
 
 def _stop_monitor() -> bool:

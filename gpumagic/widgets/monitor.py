@@ -69,8 +69,7 @@ class Monitor:
     """
 
     def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True):
-        if not interval > 0:
-            raise ValueError(f"interval must be positive, not {interval!r}")
+        _check_interval(interval)
         self.targets = list(targets)
         self.interval = float(interval)
         self.processes = processes
@@ -136,7 +135,9 @@ class Monitor:
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=max(5.0, 4 * self.interval))
+            # The stop event wakes the thread at once: waiting on a tick, not on the interval
+            # (4 * a long interval overflows join's timeout).
+            thread.join(timeout=5.0)
         self._thread = None
         if close and not self.closed:
             with self._tick_lock:
@@ -146,8 +147,7 @@ class Monitor:
     def restart(self, interval: float | None = None) -> Monitor:
         """Restart the thread, optionally with a new interval; the gauges stay."""
         if interval is not None:
-            if not interval > 0:
-                raise ValueError(f"interval must be positive, not {interval!r}")
+            _check_interval(interval)
             self.interval = float(interval)
         self.stop(close=False)
         return self.start()
@@ -157,6 +157,12 @@ class Monitor:
 
     def _repr_pretty_(self, p, cycle):
         p.text(self.text())
+
+
+def _check_interval(interval: float) -> None:
+    # Event.wait raises OverflowError past threading.TIMEOUT_MAX: the thread would die at its first wait.
+    if not 0 < interval <= threading.TIMEOUT_MAX:
+        raise ValueError(f"interval must be positive seconds up to {threading.TIMEOUT_MAX:.0f}, not {interval!r}")
 
 
 def current() -> Monitor | None:

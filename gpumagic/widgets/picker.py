@@ -10,11 +10,16 @@ In a notebook::
 """
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 
 from .. import devices, session
 from ..display import fmt_bytes
+from ..errors import UsageError
 from .closing import close_tree
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DevicePicker", "device_options", "close_all_pickers"]
 
@@ -34,6 +39,22 @@ def device_options(report_devices: list[dict]) -> list[tuple[str, str]]:
             label = f"{d['device']}: {name}"
         options.append((label, d["device"]))
     return options
+
+
+@functools.cache
+def _dropdown_class():
+    """A Dropdown whose text form says the device: what a frontend without widgets shows
+    (jupyter console, a notebook exported or rendered without its widget state)."""
+    import ipywidgets as w
+
+    class PickerDropdown(w.Dropdown):
+        def __repr__(self):
+            # ipywidgets cuts text/plain past 110 characters: the choices only where they fit whole.
+            head = f"device: {self.value} (later gpumagic cells run there"
+            full = f"{head}; choices: {', '.join(str(v) for _, v in self.options)})"
+            return full if len(full) <= 110 else f"{head}; {len(self.options)} to choose from)"
+
+    return PickerDropdown
 
 
 class DevicePicker:
@@ -60,7 +81,7 @@ class DevicePicker:
             # The picked device is gone (CUDA_VISIBLE_DEVICES changed): show it as cells still
             # see it, not some other device that cells would not run on.
             options.append((f"{current}: not visible now", current))
-        self.widget = w.Dropdown(
+        self.widget = _dropdown_class()(
             options=options,
             value=current,
             description="Device:",
@@ -81,8 +102,15 @@ class DevicePicker:
         self.widget.value = device
 
     def _on_pick(self, change) -> None:
-        if change["new"] != session.picked_device():
+        if change["new"] == session.picked_device():
+            return
+        try:
             devices.set_current_device(change["new"])
+        except UsageError as exc:
+            # A device that is gone (the "not visible now" entry): cells stay on the session's
+            # device, so the dropdown goes back to showing it instead of a device no cell uses.
+            logger.warning("the device picker could not pick %s: %s", change["new"], exc)
+            self.widget.value = devices.default_device()
 
     def _on_session_change(self, device) -> None:
         target = device or devices.default_device()
