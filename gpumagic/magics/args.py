@@ -1,8 +1,10 @@
-"""Argument parsing for every magic: a bad flag names the valid ones."""
+"""Argument parsing for every magic: a bad flag names the valid ones, and quoted values are unquoted."""
 from __future__ import annotations
 
+import shlex
+
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, parse_argstring
+from IPython.core.magic_arguments import argument
 
 #: ``--oversubscribe``, for the magics that start worker processes.
 oversubscribe = argument(
@@ -11,13 +13,29 @@ oversubscribe = argument(
          "available); without it, such a count is refused before anything starts")
 
 
+def split(line: str) -> list[str]:
+    """``line`` as the magic's arguments, quotes taken off as a shell does: ``"cuda:1"`` and ``'cpu'`` (devices
+    copied from Python) are ``cuda:1`` and ``cpu``, ``--devices 'cuda:0','cuda:1'`` is ``--devices cuda:0,cuda:1``.
+
+    Backslashes are kept as written (a Windows path). Raises ``UsageError`` for a quote left open.
+    """
+    lexer = shlex.shlex(line, posix=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""   # '#' is not a comment on a magic's line (IPython's own split agrees)
+    lexer.escape = ""
+    try:
+        return list(lexer)
+    except ValueError as exc:   # "No closing quotation"
+        raise UsageError(f"{exc} in {line.strip()!r}") from None
+
+
 def parse(magic_func, line: str):
-    """``parse_argstring`` whose errors end with the magic's usage line.
+    """``parse_argstring`` with quoted values unquoted, whose errors end with the magic's usage line.
 
     >>> args = parse(self.gpuinfo, line)   # doctest: +SKIP
     """
     try:
-        return parse_argstring(magic_func, line)
+        return magic_func.parser.parse_args(split(line))
     except UsageError as exc:
         usage = " ".join(magic_func.parser.format_usage().replace("::", "").split()).replace("usage: ", "", 1)
         raise UsageError(f"{exc}; usage: {_escape(magic_func)[1:]}{usage}") from None

@@ -49,13 +49,14 @@ class OnDeviceMagics(Magics):
 
     @magic_arguments()
     @argument("device", nargs="?", default=None,
-              help="cpu, cuda (or gpu), cuda:N, N, mps or meta; omitted: the session's current device "
-                   "(picked in %%gpuinfo, else cuda:0 where there is a GPU, else cpu)")
+              help="cpu, cuda (or gpu), cuda:N, N, mps or meta, quoted or not ('cuda:1'); omitted: the "
+                   "session's current device (picked in %%gpuinfo, else cuda:0 where there is a GPU, else cpu)")
     @argument("--stream", action="store_true",
               help="run on a side stream of DEVICE, ordered with the current stream on entry and exit")
     @argument("--sync", action="store_true", help="synchronise DEVICE when the cell ends")
     @argument("--time", action="store_true",
-              help="report the cell's time: CUDA events and wall time until the device finished")
+              help="report the cell's time: CUDA events (after the streams the cell made or made current) "
+                   "and wall time until the device finished")
     @argument("--move", action="append", metavar="NAME[,NAME...]",
               help="move these notebook tensors (rebound) and modules (in place) to DEVICE first")
     @argument("--no-rewrite", action="store_true", dest="no_rewrite",
