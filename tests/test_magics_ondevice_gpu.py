@@ -361,3 +361,34 @@ def _compile_and_time(shell):
     _, again = ok(shell, "%%ondevice cuda:0 --time\ny = f(x.cuda())\n")
     assert "CUDA events" in again and "compiling" not in again, again
     assert shell.user_ns["y"].device.type == "cuda" and shell.user_ns["y"].shape == (256, 256)
+
+
+@pytest.mark.parametrize("made", ["in the cell", "in an earlier cell"])
+def test_time_counts_work_the_cell_queued_on_its_own_stream(shell, made):
+    # The review's case: a cell that queues its work on a torch.cuda.Stream() of its own and never joins it
+    # back. The events were recorded on the cell's stream only, so they said ~0 ms for a 150 ms kernel.
+    import torch
+    cycles = sleep_cycles(150)
+    reference = statistics.median(_event_time(cycles) for _ in range(3))
+    shell.user_ns.update(torch=torch, cycles=cycles)
+    make = "s = torch.cuda.Stream()\n"
+    if made == "in an earlier cell":
+        ok(shell, make)
+        make = ""
+    cell = f"%%ondevice cuda:0 --time\n{make}with torch.cuda.stream(s):\n    torch.cuda._sleep(cycles)\n"
+    for _ in range(3):
+        _, out = ok(shell, cell)
+        match = re.search(r"cuda:0: ([\d.]+) ms \(CUDA events, 1 side stream joined\); wall ([\d.]+) ms", out)
+        assert match, out
+        events_s, wall_s = float(match.group(1)) / 1e3, float(match.group(2)) / 1e3
+        if abs(events_s - reference) <= 0.05 * reference and abs(wall_s - reference) <= 0.05 * reference:
+            break
+    else:
+        pytest.fail(f"printed {events_s * 1e3:.2f} ms (events), {wall_s * 1e3:.2f} ms (wall); "
+                    f"reference {reference * 1e3:.2f} ms")
+    assert shell.user_ns["s"].query() is True                 # its work finished before the report
+    from gpumagic.cell import placement_cuda
+    assert placement_cuda._watchers == []                    # nothing collected after the cell
+    # A cell on the current stream only says nothing of side streams.
+    _, out = ok(shell, "%%ondevice cuda:0 --time\ntorch.cuda._sleep(cycles)\n")
+    assert re.search(r"cuda:0: [\d.]+ ms \(CUDA events\); wall", out), out

@@ -158,15 +158,16 @@ b = torch.zeros(3)
     assert torch.get_default_dtype() == torch.float32
 
 
-def save_as_if_on_cuda(obj, path) -> None:
-    """``torch.save(obj, path)`` with each storage's location written as ``cuda:0``, as a GPU machine saves it."""
+def save_as_if_on_cuda(obj, path, location: str = "cuda:0") -> None:
+    """``torch.save(obj, path)`` with each storage's location written as ``location`` (``cuda:N``), as a GPU
+    machine saves it."""
     torch.save(obj, path)
     with zipfile.ZipFile(path) as z:
         entries = [(info, z.read(info.filename)) for info in z.infolist()]
     with zipfile.ZipFile(path, "w") as z:
         for info, data in entries:
             if info.filename.endswith("/data.pkl"):
-                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00" + location.encode())
             z.writestr(info, data)
 
 
@@ -189,6 +190,43 @@ c = torch.load({cpu!r})                                 # saved on the CPU: stay
     assert ns["c"]["w"].device.type == "cpu" and ns["c"]["w"].tolist() == [0.0, 1.0]
     if device == "cpu":
         assert ns["a"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_torch_load_with_a_dict_map_location_lands_on_the_device(shell, device, tmp_path, no_cuda_init):
+    # torch's documented dict form: every CUDA location in it, listed or not, is DEVICE's.
+    on0, on1 = str(tmp_path / "on0.pt"), str(tmp_path / "on1.pt")
+    save_as_if_on_cuda({"w": torch.arange(4.)}, on0, "cuda:0")
+    save_as_if_on_cuda({"w": torch.arange(3.)}, on1, "cuda:1")
+    cell_ok(shell, f"""%%ondevice {device}
+import torch
+remap = {{'cuda:1': 'cuda:0'}}
+a = torch.load({on0!r}, map_location=remap)             # cuda:0 is not in the dict
+b = torch.load({on1!r}, map_location=remap)             # cuda:1 is, sent to cuda:0
+c = torch.load({on0!r}, {{'cuda:0': 'cuda:1'}})          # positional, to another GPU
+d = torch.load({on0!r}, map_location={{'cuda:0': torch.device('cuda:1')}})
+e = torch.load({on1!r}, map_location={{'cuda:1': 'cpu'}})  # sent to the CPU as written
+f = torch.load({on0!r}, map_location={{}})
+""")
+    ns = shell.user_ns
+    for name in "abcdf":
+        assert ns[name]["w"].device.type == device, name
+        assert ns[name]["w"].shape == ((3,) if name == "b" else (4,)), name
+    assert ns["remap"] == {"cuda:1": "cuda:0"} and type(ns["remap"]) is dict    # the user's dict is left alone
+    assert ns["e"]["w"].device.type == "cpu" and ns["e"]["w"].tolist() == [0.0, 1.0, 2.0]
+    if device == "cpu":
+        assert ns["a"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and ns["b"]["w"].tolist() == [0.0, 1.0, 2.0]
+        assert ns["c"]["w"].tolist() == ns["d"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_dict_map_location_maps_every_cuda_location():
+    from gpumagic.cell.placement import Placement
+    mapped = Placement("meta").map({"cuda:1": "cuda:0", "cuda:2": "cpu", "cpu": 0})
+    assert isinstance(mapped, dict) and dict(mapped) == {"cuda:1": "meta", "cuda:2": "cpu", "cpu": "meta"}
+    assert mapped.get("cuda:0", "cuda:0") == "meta" and mapped.get("cuda", "cuda") == "meta"
+    assert mapped.get(torch.device("cuda", 3), None) == "meta"      # how torch asks for a rebuilt tensor
+    assert mapped.get("mps", "mps") == "mps"
+    assert Placement(None).map({"cuda:1": "cuda:0"}) == {"cuda:1": "cuda:0"}
 
 
 @pytest.mark.skipif(HAS_GPU, reason="on a GPU machine the plain cell's .cuda() works")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.placement_helpers import cell_ok
-from tests.test_ondevice_methods import OWN_CUDA
+from tests.test_ondevice_methods import OWN_CUDA, save_as_if_on_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +48,21 @@ def test_map_location_function_on_the_gpu(shell, tmp_path):
                    f"state = torch.load({path!r}, map_location=lambda storage, loc: storage.cuda(1))\n")
     loaded = shell.user_ns["state"]["w"]
     assert loaded.device == torch.device("cuda:0") and loaded.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_dict_map_location_on_the_gpu(shell, tmp_path):
+    # Saved on a GPU this machine lacks (cuda:9): a dict that leaves it out, or sends it to another
+    # GPU it lacks, still loads onto DEVICE, as every CUDA index means DEVICE.
+    path = str(tmp_path / "w.pt")
+    save_as_if_on_cuda({"w": torch.arange(4.)}, path, "cuda:9")
+    with pytest.raises(RuntimeError, match="CUDA device 9"):
+        torch.load(path, map_location={"cuda:8": "cuda:0"})              # torch's own, outside the cell
+    cell_ok(shell, f"%%ondevice cuda:0\nimport torch\n"
+                   f"a = torch.load({path!r}, map_location={{'cuda:8': 'cuda:0'}})\n"
+                   f"b = torch.load({path!r}, map_location={{'cuda:9': 'cuda:8'}})\n")
+    for name in ("a", "b"):
+        loaded = shell.user_ns[name]["w"]
+        assert loaded.device == torch.device("cuda:0") and loaded.tolist() == [0.0, 1.0, 2.0, 3.0], name
 
 
 def test_cuda_taken_as_a_value_on_the_gpu(shell):

@@ -49,6 +49,7 @@ call                                DEVICE is cuda:k    DEVICE is cpu / meta
 ``torch.cuda.synchronize()``        synchronises k      nothing
 ``with torch.cuda.device(i):``      device k            nothing
 ``x.is_cuda``                       on CUDA or DEVICE   on CUDA or DEVICE
+``x.type()``                        torch's             on DEVICE: its CUDA type
 ``x.pin_memory()`` / ``pin_memory=``  unchanged           skipped (no pinning)
 ==================================  ==================  =====================
 
@@ -86,7 +87,7 @@ from collections.abc import Iterator
 
 from .device_values import set_process_device, stand_in, stands_for_cell_device
 from .placement_cuda import CudaCalls
-from .placement_methods import MethodCalls
+from .placement_methods import LoadMap, MethodCalls
 from .placement_parallel import ParallelCalls
 from .placement_placed import PlacedCalls, bind_torch, remember, remembered
 from .placement_rewrite import (
@@ -161,7 +162,7 @@ class Placement(PlacedCalls, MethodCalls, CudaCalls, ParallelCalls):
         if isinstance(device, int) and not isinstance(device, bool):
             return target
         if isinstance(device, dict):  # torch.load(map_location={'cuda:1': 'cuda:0'})
-            return {k: self.map(v) for k, v in device.items()}
+            return LoadMap(device, target, self.map)
         return device
 
     def device(self, *args, **kwargs):

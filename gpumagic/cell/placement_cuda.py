@@ -24,6 +24,7 @@ call                                             DEVICE is cuda:k      DEVICE is
 ``Stream()``, ``current_stream()``, ``Event()``  on k                  stand-ins (below)
 ``torch.cuda.stream(s)``, ``set_stream(s)``      torch's               nothing
 ``x.get_device()``                               torch's               0 for a tensor on DEVICE
+``x.type()``                                     torch's               its CUDA type on DEVICE
 ===============================================  ====================  ==============================
 
 On a device without streams, work runs in program order, so a stream has
@@ -40,7 +41,7 @@ from typing import Any
 
 from .placement_values import said_cuda, said_cuda_name
 
-__all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer"]
+__all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer", "watch_streams", "unwatch_streams"]
 
 # Counters of torch's CUDA caching allocator: a device without one holds nothing in it.
 _ZERO = frozenset({"memory_allocated", "memory_reserved", "memory_cached", "max_memory_allocated",
@@ -49,6 +50,32 @@ _NOTHING = frozenset({"empty_cache", "empty_host_cache", "reset_peak_memory_stat
                       "reset_max_memory_cached", "reset_accumulated_memory_stats"})
 _NO_DEVICE_ARGUMENT = frozenset({"empty_cache", "empty_host_cache"})
 _cpu_name: list[str] = []
+# The CUDA streams rewritten code made or made current, one list per ``--time`` cell running now (nested
+# cells time themselves too): its end event waits for their work (gpumagic.ondevice.timing).
+_watchers: list[list] = []
+
+
+def watch_streams() -> list:
+    """Start collecting the CUDA streams rewritten code makes (``torch.cuda.Stream()``) or makes current
+    (``with torch.cuda.stream(s):``, ``set_stream(s)``) on a GPU DEVICE; returns the list they go in."""
+    seen: list = []
+    _watchers.append(seen)
+    return seen
+
+
+def unwatch_streams(seen: list) -> None:
+    """Stop collecting into ``seen`` (nothing if it was stopped already)."""
+    for i, watched in enumerate(_watchers):
+        if watched is seen:
+            del _watchers[i]
+            return
+
+
+def _watched(stream):
+    for seen in _watchers:
+        if not any(stream is s for s in seen):
+            seen.append(stream)
+    return stream
 
 
 class NoCudaAnswer(RuntimeError):
@@ -295,7 +322,7 @@ class CudaCalls:
         if self.target is None:
             return fn(*args, **kwargs)
         if self._kind == "cuda":
-            return self._on_target(fn, args, kwargs)
+            return _watched(self._on_target(fn, args, kwargs))
         return HostStream(self.target, kwargs.get("priority", args[1] if len(args) > 1 else 0))
 
     def stream_current(self, fn, *args, **kwargs):
@@ -311,6 +338,8 @@ class CudaCalls:
         """``with torch.cuda.stream(s):``."""
         __tracebackhide__ = True
         if self.target is None or (self._kind == "cuda" and not isinstance(stream, HostStream)):
+            if self.target is not None and stream is not None:
+                _watched(stream)
             return fn(stream)
         return contextlib.nullcontext()
 
@@ -318,6 +347,8 @@ class CudaCalls:
         """``torch.cuda.set_stream(s)``, ``torch.accelerator.set_stream(s)``."""
         __tracebackhide__ = True
         if self.target is None or (self._kind == "cuda" and not isinstance(stream, HostStream)):
+            if self.target is not None and stream is not None:
+                _watched(stream)
             return fn(stream)
         return None
 
@@ -341,3 +372,16 @@ class CudaCalls:
         if self.target is not None and self._kind != "cuda" and getattr(obj, "device", None) == self.target:
             return 0
         return obj.get_device()
+
+    def type_name(self, obj) -> str:
+        """``x.type()``: a tensor on a non-CUDA DEVICE names its CUDA type (``'torch.cuda.FloatTensor'``), as its
+        ``is_cuda`` is True and ``get_device()`` 0; anything else answers as written."""
+        __tracebackhide__ = True
+        name = obj.type()
+        if self.target is None or self._kind == "cuda" or not isinstance(obj, self._torch.Tensor) \
+                or obj.device != self.target or not name.startswith("torch."):
+            return name
+        # 'torch.FloatTensor', 'torch.sparse.FloatTensor', 'torch.meta.FloatTensor' -> the same type on CUDA
+        rest = name[len("torch."):]
+        own = f"{self._kind}."
+        return "torch.cuda." + (rest[len(own):] if rest.startswith(own) else rest)

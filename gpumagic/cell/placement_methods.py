@@ -10,6 +10,8 @@ Part of :class:`~gpumagic.cell.placement.Placement`:
   the module's parameters and buffers move, as torch's ``cuda`` would move them;
 * a storage (``torch.load(f, map_location=lambda s, loc: s.cuda())``) goes to the device, and so does
   one saved on a GPU, loaded by a ``torch.load(f)`` that gives no ``map_location`` (as on a GPU);
+  a dict ``map_location`` (``{'cuda:1': 'cuda:0'}``) sends every CUDA location to the device, the ones it
+  lists (to CUDA) and the ones it leaves out alike (:class:`LoadMap`);
 * ``torch.set_default_tensor_type(torch.cuda.FloatTensor)`` makes DEVICE the default device for the cell;
 * ``getattr(x, 'cuda')``, ``torch.Tensor.cuda`` and ``x.cuda`` not called at
   once (``map(torch.Tensor.cuda, batch)``) give a callable that goes through
@@ -21,10 +23,10 @@ import functools
 import logging
 from typing import Any
 
-from .placement_rewrite import is_cuda_type_name, lookup
+from .placement_rewrite import is_cuda_name, is_cuda_type_name, lookup
 from .placement_values import TypedTensor
 
-__all__ = ["MethodCalls", "rewritten"]
+__all__ = ["MethodCalls", "LoadMap", "rewritten"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,31 @@ class MethodCalls:
         if isinstance(obj, kinds) or (isinstance(obj, super) and isinstance(obj.__self__, torch.nn.Module)):
             return functools.partial(call, obj)
         return found
+
+
+class LoadMap(dict):
+    """``torch.load``'s dict ``map_location`` on DEVICE: every CUDA location is DEVICE, as every CUDA index is.
+
+    ``{'cuda:1': 'cuda:0'}`` on a GPU leaves ``cuda:0`` where it was; here ``cuda:0`` is no device torch can
+    restore to (``cpu``: "Attempting to deserialize object on a CUDA device"), so a location the dict leaves
+    out comes to DEVICE too. A location it sends elsewhere (``{'cuda:0': 'cpu'}``) goes there. torch looks
+    locations up with ``get`` (storages, and tensors rebuilt apart from theirs), so it stays a dict.
+    """
+
+    __slots__ = ("_device",)
+
+    def __init__(self, mapping: dict, target, map_device) -> None:
+        self._device = str(target)
+        # Values torch reads as location strings: a CUDA one (or one standing for the cell's device) is DEVICE's.
+        super().__init__({key: self._device if map_device(value) is target else value
+                          for key, value in mapping.items()})
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        if is_cuda_name(key) or getattr(key, "type", None) == "cuda":
+            return self._device
+        return default
 
 
 class _Unbound:

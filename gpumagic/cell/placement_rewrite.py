@@ -368,8 +368,8 @@ class PlacementRewriter(ast.NodeTransformer):
         return self._call("factory", [node.func, *node.args], node.keywords, node)
 
     def _method(self, node: ast.Call, func: ast.Attribute):
-        """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.pin_memory()``, ``obj.get_device()``,
-        ``obj.record_stream(s)``."""
+        """``obj.cuda()``, ``obj.to(...)``, ``obj.type(torch.cuda.X)``, ``obj.type()``, ``obj.pin_memory()``,
+        ``obj.get_device()``, ``obj.record_stream(s)``."""
         attr, receiver = func.attr, func.value
         if attr == "cuda":
             return self._call("cuda", [receiver, *node.args], node.keywords, node)
@@ -377,6 +377,8 @@ class PlacementRewriter(ast.NodeTransformer):
             return self._call("to", [receiver, *node.args], node.keywords, node)
         if attr == "type" and len(node.args) == 1 and not node.keywords and self._type_may_be_cuda(node.args[0]):
             return self._call("retype", [receiver, node.args[0]], [], node)
+        if attr == "type" and not node.args and not node.keywords:
+            return self._call("type_name", [receiver], [], node)
         if attr == "pin_memory" and not node.args and not node.keywords:
             return self._call("pin_memory", [receiver], [], node)
         if attr == "get_device" and not node.args and not node.keywords:

@@ -313,9 +313,9 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     if options.stream and target.type != "cuda" and note is not None:
         note(f"--stream: {device} runs the cell's work in program order, so there is no stream to order")
     scope = _CellScope(torch, target, shell, rewriter)
+    timer = None
     try:
         scope.enter()
-        timer = None
         if options.time:
             from .timing import CellTimer
             timer = CellTimer(target)
@@ -344,6 +344,8 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
         if options.sync:
             _synchronize(torch, target)
     finally:
+        if timer is not None:
+            timer.close()
         scope.exit()
         if dry_run is not None:
             dry_run.put_back()

@@ -6,16 +6,27 @@ device to be idle before starting (earlier cells' queued work is not
 counted), records CUDA events on the cell's stream around it, and
 synchronises the device at the end: the report gives the events' time, the
 wall time until the device finished, and when the Python code returned.
+Work the cell queued on streams of its own (``s = torch.cuda.Stream()``,
+``with torch.cuda.stream(s):``) counts in the events' time too: the end event
+is recorded after the cell's stream waits for those streams, which the
+placement collects (:func:`~gpumagic.cell.placement_cuda.watch_streams`). A
+stream only code outside the rewrite uses is not seen; the wall time, which
+waits for every stream of the device, still covers it.
 Time torch.compile spent compiling in the cell is said apart: it is in every
 one of those times, and later runs of the same code skip it.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass
 
+from ..cell.placement_cuda import unwatch_streams, watch_streams
+
 __all__ = ["Timing", "CellTimer"]
+
+logger = logging.getLogger(__name__)
 
 
 def _ms(seconds: float) -> str:
@@ -76,7 +87,8 @@ class Timing:
 
 
 class CellTimer:
-    """``start()`` before the cell, ``stop()`` after it (on the stream that was current at start).
+    """``start()`` before the cell, ``stop()`` after it (on the stream that was current at start);
+    ``close()`` where the cell failed, so that it stops collecting the cell's streams.
 
     Examples
     --------
@@ -88,13 +100,14 @@ class CellTimer:
         print(timer.stop())      # cuda:0: 151.92 ms (CUDA events); wall 152.10 ms ...
     """
 
-    def __init__(self, device):
+    def __init__(self, device) -> None:
         import torch
         self._torch = torch
         self.device = torch.device(device)
-        self._events = None
+        self._events: tuple | None = None   # (begin, end, the cell's stream) on CUDA
+        self._streams: list | None = None   # streams the cell's code made or made current (CUDA only)
         self._t0 = 0.0
-        self._compile_marks = {}
+        self._compile_marks: dict = {}
 
     def _synchronize(self):
         torch = self._torch
@@ -112,6 +125,7 @@ class CellTimer:
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             self._events = (begin, end, stream)
+            self._streams = watch_streams()
             self._t0 = time.perf_counter()
             begin.record(stream)
         else:
@@ -123,11 +137,37 @@ class CellTimer:
         compiled = _compiled_since(self._compile_marks)
         if self._events is not None:
             begin, end, stream = self._events
+            joined = self._join(stream)
             end.record(stream)
             self._synchronize()
             wall = time.perf_counter() - self._t0
-            return Timing(name, wall, returned, begin.elapsed_time(end) / 1e3, "CUDA events", compiled)
+            method = "CUDA events" + (f", {joined} side stream{'s' * (joined > 1)} joined" if joined else "")
+            return Timing(name, wall, returned, begin.elapsed_time(end) / 1e3, method, compiled)
         if self.device.type == "mps":
             self._synchronize()
             return Timing(name, time.perf_counter() - self._t0, returned, None, "synchronised", compiled)
         return Timing(name, returned, returned, None, "wall clock", compiled)
+
+    def _join(self, stream) -> int:
+        """Make ``stream`` wait for the cell's own streams on the device, so the end event follows their
+        work; returns how many it waits for."""
+        streams, self._streams = self._streams or [], None
+        unwatch_streams(streams)
+        joined = 0
+        for side in streams:
+            if side == stream or getattr(side, "device", None) != self.device:
+                continue
+            try:
+                stream.wait_stream(side)
+            except (RuntimeError, TypeError, AttributeError):
+                logger.warning("--time: could not order %r after %r; the events' time may leave its work out",
+                               stream, side, exc_info=True)
+                continue
+            joined += 1
+        return joined
+
+    def close(self) -> None:
+        """Stop collecting the cell's streams (where ``stop()`` did not run: the cell failed)."""
+        if self._streams is not None:
+            unwatch_streams(self._streams)
+            self._streams = None
