@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
+from .placement_part import PlacementPart
 from .placement_values import said_cuda, said_cuda_name
 
 __all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer", "watch_streams", "unwatch_streams"]
@@ -173,19 +173,12 @@ class HostStream:
         return f"<HostStream on {self.device}: runs in program order>"
 
 
-class CudaCalls:
+class CudaCalls(PlacementPart):
     """``torch.cuda`` / ``torch.accelerator`` calls of a :class:`~.placement.Placement` (see the module notes).
 
     Each method takes the original function first and calls it unchanged without a target.
     """
 
-    __slots__ = ()
-    target: Any
-    _kind: str | None
-    _torch: Any
-
-    def map(self, device):  # Placement's
-        raise NotImplementedError
 
     # -- mixed precision --------------------------------------------------------
     def amp(self, fn, *args, **kwargs):

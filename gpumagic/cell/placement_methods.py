@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
 
+from .placement_part import PlacementPart
 from .placement_rewrite import is_cuda_name, is_cuda_type_name, lookup
 from .placement_values import TypedTensor
 
@@ -46,17 +46,10 @@ def rewritten(function) -> bool:
     return False
 
 
-class MethodCalls:
+class MethodCalls(PlacementPart):
     """The methods of a :class:`~gpumagic.cell.placement.Placement` for modules' own ``cuda``, storages
     and ``cuda``/``to`` taken as values."""
 
-    __slots__ = ()
-    target: Any
-    _kind: str | None
-    _torch: Any
-
-    def map(self, device):  # Placement's
-        raise NotImplementedError
 
     def cuda(self, obj, *args, **kwargs):  # Placement's
         raise NotImplementedError

@@ -49,6 +49,8 @@ import warnings
 from collections import OrderedDict
 from typing import Any
 
+from .placement_part import PlacementPart
+
 __all__ = ["PARALLEL_CALLS", "ParallelCalls"]
 
 #: Dotted names of the calls -> the :class:`ParallelCalls` method that answers them (the rewrite's table).
@@ -81,20 +83,13 @@ def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
-class ParallelCalls:
+class ParallelCalls(PlacementPart):
     """``torch.nn.parallel`` calls of a :class:`~.placement.Placement` (see the module notes).
 
     Each method takes the original function first and calls it unchanged
     without a target or on a CUDA one.
     """
 
-    __slots__ = ()
-    target: Any
-    _kind: str | None
-    _torch: Any
-
-    def map(self, device):  # Placement's
-        raise NotImplementedError
 
     def _here(self, fn, name: str) -> bool:
         """Whether this call of torch's ``name`` is done here, on a DEVICE that is not a GPU."""

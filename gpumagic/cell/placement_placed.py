@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 from weakref import ref
 
+from .placement_part import PlacementPart
 from .placement_values import says_cuda
 
 __all__ = ["remember", "remembered", "remember_module", "forget_all", "bind_torch", "PlacedCalls"]
@@ -119,7 +120,7 @@ def _shares_memory(made, src) -> bool:
     return isinstance(interface, dict) and made.data_ptr() == interface.get("data", (None,))[0]
 
 
-class PlacedCalls:
+class PlacedCalls(PlacementPart):
     """The methods of a :class:`~.placement.Placement` that move or make things on the stand-in CUDA device.
 
     ``on_cuda(made)`` and ``factory(fn, *args, device=..., **kwargs)`` are what the rewrite
@@ -128,13 +129,7 @@ class PlacedCalls:
     """
 
     __slots__ = ()
-    target: Any
     said_cuda: Any
-    _kind: str | None
-    _torch: Any
-
-    def map(self, device):  # Placement's
-        raise NotImplementedError
 
     def on_cuda(self, made):
         """``torch.ones(2, device='cuda:0')`` (``device=`` already the target): remembered on a CPU target."""
