@@ -141,10 +141,10 @@ def test_a_forward_reading_an_attribute_dict_still_trains(shell):
 
 
 def test_a_module_called_past_its_wrapper_is_refused_not_trained_apart(shell):
-    # held in a list, the model is not swapped for the wrapper: its gradients would not be averaged,
+    # held in a tuple, the model is not swapped for the wrapper: its gradients would not be averaged,
     # and each rank would train its own copy on its half of the data
     run_cell(shell, SETUP + "class Many:\n    def __init__(self, models):\n        self.models = models\n"
-                            "many = Many([model])\n")
+                            "many = Many((model,))\n")
     ns = shell.user_ns
     before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
     for body in ("for x, y in loader:\n    opt.zero_grad(); ((many.models[0](x) - y) ** 2).mean().backward(); "

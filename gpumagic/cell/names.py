@@ -18,7 +18,7 @@ import types
 
 __all__ = ["names_read", "names_assigned", "names_deleted", "attributes_assigned", "import_bindings", "free_reads",
            "used_names", "loop_targets", "names_tree", "notebook_names", "attribute_chain", "calls_assigned",
-           "items_assigned", "notebook_object_attributes"]
+           "items_assigned", "notebook_object_attributes", "held_slots"]
 
 # IPython's own history names (_, __, _i3, _oh, In, Out...): never the user's values.
 _HISTORY = re.compile(r"^(_+|_i+|_i?\d+|_(dh|oh|ih)|In|Out)$")
@@ -130,10 +130,39 @@ def notebook_object_attributes(value, namespace) -> dict | None:
     return attrs if isinstance(attrs, dict) and "_parameters" not in attrs else None
 
 
-def _held_attributes(value, namespace) -> list:
-    """The attribute values of an instance of a notebook class (see :func:`notebook_object_attributes`)."""
+HELD_DEPTH = 3          # how far down a notebook object's attributes, dicts and lists are followed
+HELD_ITEMS = 1000       # a dict or list longer than this holds data, not the objects a trainer uses
+
+
+def held_slots(value, namespace, depth: int = HELD_DEPTH):
+    """``(container, key, held)`` for each object an instance of a notebook class holds: its attributes
+    (the container its ``__dict__``), and, ``depth`` levels down, the attributes of the notebook objects
+    and the items of the dicts and lists it holds there (``self.parts.model``, ``self.nets["g"]``,
+    ``self.models[0]``): where a trainer object keeps the models it trains. Each container once."""
     attrs = notebook_object_attributes(value, namespace)
-    return list(attrs.values()) if attrs else []
+    if attrs is None:
+        return
+    seen = {id(attrs)}
+    todo = [(attrs, 1)]
+    while todo:
+        container, level = todo.pop()
+        for key, held in list(container.items() if isinstance(container, dict) else enumerate(container)):
+            yield container, key, held
+            if level >= depth:
+                continue
+            inner = notebook_object_attributes(held, namespace)
+            if inner is None and type(held) in (dict, list) and len(held) <= HELD_ITEMS:
+                inner = held
+            if inner is not None and id(inner) not in seen:
+                seen.add(id(inner))
+                todo.append((inner, level + 1))
+
+
+def _held_attributes(value, namespace) -> list:
+    """What an instance of a notebook class holds (see :func:`held_slots`), less plain numbers and strings
+    (which the notebook's own numbers may be, by identity)."""
+    return [held for _, _, held in held_slots(value, namespace)
+            if not isinstance(held, (int, float, complex, str, bytes, type(None)))]
 
 
 def _code_objects(value, namespace):

@@ -11,7 +11,9 @@ A model too big for one GPU's training state trains sharded over the ranks
 * after the cell rank 0 gathers one tensor at a time and writes it into the
   notebook's tensor in place; a fresh optimizer's state gets its tensors made
   here first (:func:`gather_deferred_state`); only a model on a GPU comes
-  through the pool's buffer;
+  through the pool's buffer. The optimizer's state is then copied out of shared
+  memory (the model stays there), so that it is the notebook's own, as after a
+  plain cell: a later ``%%sharedtrain`` cell gives each worker its own copy;
 * the ranks keep their shards: the next cell sends a token for each kept
   module and optimizer instead of its tensors when the notebook's are unchanged
   (same objects, same content by fingerprint, same hyperparameters).
@@ -52,6 +54,7 @@ class FsdpShipment:
     config: dict                                          # meta["fsdp"], read by the ranks
     shared: set = field(default_factory=set)              # ids of tensors that travel by reference
     stand_ins: dict = field(default_factory=dict)         # id(obj) -> token of what the ranks kept
+    moved: set = field(default_factory=set)               # ids of the tensors this cell moved into shared memory
 
     def share(self, t) -> bool:
         return id(t) in self.shared
@@ -154,7 +157,7 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
         "keep_optimizers": [n for n, o in optimizers.items() if keep_optimizer or any(
             id(p) in stay_ids for g in o.param_groups for p in g["params"])],
         "param_dtype": autocast_dtype(tree, namespace)})
-    shipment.config.update(_new_targets(records, modules, optimizers))
+    shipment.config.update(_new_targets(records, modules, optimizers, shipment.moved))
     # A kept module is the ranks' own object: what the notebook set on its copy since (model.train(),
     # model.temperature = 0.5, a frozen layer) reaches it this way, as it would in a plain cell.
     shipment.config["settings"] = {name: module_settings(modules[name]) for name in kept_modules}
@@ -171,7 +174,7 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
             shipment.stand_ins[id(opt)] = ("optimizer", name)
         else:
             shipment.shared |= _share([v for st in opt.state.values() for v in st.values()
-                                       if isinstance(v, torch.Tensor) and v.dim() > 0])
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0], shipment.moved)
     for name, module in modules.items():
         on_gpu = sorted({str(t.device) for t in module.parameters() if t.device.type == "cuda"})
         if on_gpu and name not in kept_modules:
@@ -188,7 +191,7 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
     return shipment
 
 
-def _new_targets(records: dict, modules: dict, optimizers: dict) -> dict:
+def _new_targets(records: dict, modules: dict, optimizers: dict, moved: set) -> dict:
     """The notebook's CPU tensors rank 0 writes the trained state into (moved into shared memory),
     those the ranks do not hold yet: ``{"targets": {ref: tensor}, "targets_reset": bool}``."""
     import torch
@@ -202,7 +205,7 @@ def _new_targets(records: dict, modules: dict, optimizers: dict) -> dict:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     targets[("optimizer", name, idx, k)] = v
     targets = {ref: t for ref, t in targets.items() if t.device.type == "cpu" and not t.is_meta}
-    _share(targets.values())
+    _share(targets.values(), moved)
     reset = records["sent"] is None
     sent = records["sent"] = {} if reset else records["sent"]
     new = {ref: t for ref, t in targets.items() if (sent.get(ref) or _gone)() is not t}
@@ -226,11 +229,13 @@ def _unchanged(record: _Record | None, obj, keys_of) -> bool:
     return record.keys is None or keys_of(obj) == record.keys
 
 
-def _share(tensors) -> set:
+def _share(tensors, moved: set | None = None) -> set:
     """CPU tensors moved into shared memory in place (the same objects; once: a shared one stays);
-    returns their ids."""
+    returns their ids, and adds to ``moved`` those of the ones not shared before."""
     from ..procs.bulk import share_in_place
     cpu = [t for t in tensors if t.device.type == "cpu" and not t.is_meta]
+    if moved is not None:
+        moved |= {id(t) for t in cpu if not t.is_shared()}
     share_in_place(cpu)
     return {id(t) for t in cpu}
 
@@ -251,9 +256,6 @@ def gather_deferred_state(state: dict, pool) -> dict:
     order = list(made)
     results = pool.run(GATHER_DEFERRED, {"targets": made, "order": order})
     state["tensors"] = list(state["tensors"]) + list(results[0][0]["tensors"])
-    sent = _records(pool)["sent"]
-    if sent is not None:   # the ranks keep these as write targets now
-        sent.update({ref: weakref.ref(t) for ref, t in made.items()})
     return made
 
 
@@ -302,13 +304,30 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
         if name in config["keep_optimizers"]:
             for mine, theirs in zip(opt.param_groups, groups["param_groups"]):
                 mine.update(theirs)
+            _private_state(opt, shipment.moved)
             records["optimizers"][name] = _Record(weakref.ref(opt), _optimizer_keys(opt), _hyperparameters(opt))
             stayed.append(name)
-            continue
-        _load_optimizer(opt, groups, by_optimizer.get(name, {}), {r[2:]: t for r, t in made.items() if r[1] == name})
-        records["optimizers"][name] = _Record(
-            weakref.ref(opt), {r: key for r, (_, key) in by_optimizer.get(name, {}).items()}, _hyperparameters(opt))
+        else:
+            _load_optimizer(opt, groups, by_optimizer.get(name, {}),
+                            {r[2:]: t for r, t in made.items() if r[1] == name})
+            _private_state(opt, shipment.moved | {id(t) for t in made.values()})
+            records["optimizers"][name] = _Record(weakref.ref(opt), {
+                r: key for r, (_, key) in by_optimizer.get(name, {}).items()}, _hyperparameters(opt))
+        # The ranks let go of its state tensors (sharding.py): the next cell shares the notebook's anew.
+        for ref in [r for r in records["sent"] or {} if r[0] == "optimizer" and r[1] == name]:
+            del records["sent"][ref]
     return stayed
+
+
+def _private_state(opt, moved: set) -> None:
+    """An optimizer's state in the notebook's own memory again, as after a plain cell: left in shared memory,
+    a later ``%%sharedtrain`` cell would share it with its workers (it shares what is shared already) instead
+    of giving each its own copy. The ranks wrote into the shared tensors; copies of them take the place
+    of those the cell put there (``moved``, by id); state the notebook had shared itself stays shared."""
+    for st in opt.state.values():
+        for k, v in list(st.items()):
+            if id(v) in moved:
+                st[k] = v.clone()
 
 
 def _load_optimizer(opt, groups: dict, tensors: dict, made: dict) -> None:

@@ -30,13 +30,16 @@ from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
+from .grads import GRADS_KEY, start_from
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
 from .rank_exports import exporting_once
 from .rank_files import writing_once
 from .rank_state import pack_state, rank0_state
 from .returnable import attribute_snapshot
+from .scripting import scripted_hint, scripting_users_modules
 from .sharding import forget_kept, gather_into_notebook, kept_objects, shard_modules
+from .touched import fingerprints
 from .warm import Adopted, WarmModels, compile_counts, compile_forward, compile_note, follow_kept, forwards_set_aside
 from .whole_values import whole_values
 from .wrapping import (
@@ -84,6 +87,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         stand_ins.update(kept_objects(ctx, fsdp))
     ns, tensors = unpack_namespace(meta["header"], data, device=device, store=store, shared=meta.get("shared"),
                                    stand_ins=stand_ins)
+    grads = ns.pop(GRADS_KEY, None) or {}   # the notebook's gradients, which a plain cell would add to
     _prepare_namespace(ns, meta, device)
     seed_all(meta["seed"])
     launch = meta.get("launch")
@@ -97,6 +101,7 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         inner = {name: ns[name] for name in meta["modules"]}
     else:
         inner, compiled_anew, tensors = _wrap_modules(ns, meta, device, warm, tensors)
+        tensors = start_from(inner, grads, tensors, store)
     if not fsdp:
         # Optimizers: their own load_state_dict puts each state tensor beside its parameter.
         for opt in opts.values():
@@ -120,6 +125,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     # and for names the cell binds to the notebook's own objects (alias = args): held, so ids stay theirs
     meta["objects_before"] = {id(v): (k, v) for k, v in ns.items() if not k.startswith("__")} \
         if ctx.rank == 0 else {}
+    # and for the notebook tensors and arrays it reaches, whose contents a function it calls may set
+    meta["arrays_before"] = fingerprints(ns, meta.get("arrays", [])) if ctx.rank == 0 else {}
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu", master_addr=launch.get("master_addr", "127.0.0.1"),
@@ -141,21 +148,28 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         averaged = [inner[name] for name in wrapped]
         frozen = [name for name in inner if name not in wrapped]
         wrappers = {name: ns[name] for name in wrapped if not fsdp and ns.get(name) is not inner[name]}
-        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen, wrappers) \
+        scripted = meta["scripted"] = {}   # torch.jit.script(model): the user's module, as in a plain cell
+        guard = refuse_unaveraged_steps(lambda: averaged, ns, wrapped, frozen, wrappers,
+                                        hint=lambda name: scripted_hint(name, scripted)) \
             if ctx.world_size > 1 else None
         try:
             # (fsdp's ranks each hold a shard: a save there is the user's per-rank file, as written)
             with refusing_frameworks(), writing_once(ctx.rank) if not fsdp else contextlib.nullcontext(), \
-                    exporting_once(ctx.rank), held_objects_swapped(ns, swaps):
+                    exporting_once(ctx.rank), held_objects_swapped(ns, swaps), \
+                    scripting_users_modules(wrappers, scripted):
                 value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         finally:
             if guard is not None:
                 guard.remove()
     if compiling and ctx.rank == 0:
         ctx.send({"kind": "note", "text": compile_note(counts_before, compile_counts(), stats, compiled_anew)})
-    # Rank 0's gradients go back with the weights (a plain cell leaves them on the model); no rank
-    # keeps them for the next cell, as they would hold a second model's worth of GPU memory.
-    grads = _plain_grads(inner) if ctx.rank == 0 and not fsdp else {}
+    # Rank 0's gradients go back with the weights (a plain cell leaves them on the model). DDP's
+    # average is the same on every rank: each keeps it with the weights, as one process holds its
+    # gradients between cells, and the next cell, which starts from the notebook's (grads.py),
+    # sends only their keys. (A framework's, in launch mode, are its own: not kept.)
+    grads = _plain_grads(inner) if not fsdp else {}
+    kept_grads = [g for n, held in grads.items() if n not in gathered for g in held.values() if g is not None] \
+        if not launch else []
     for module in inner.values():
         for p in module.parameters():
             p.grad = None
@@ -167,7 +181,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         return _gathered_payload(ctx, ns, meta, inner, opts, value, {
             "stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}, not_whole)
     # A sharded module's tensors are shards: the workers keep none of them for the next cell.
-    keys = store.rebuild(_trained_tensors(tensors, {n: m for n, m in inner.items() if n not in gathered}, opts))
+    keys = store.rebuild(_trained_tensors(tensors + kept_grads, {n: m for n, m in inner.items() if n not in gathered},
+                                          opts))
     payload: dict = {"stats": stats, "t_user": (t_start, t_end), "keys": keys, "state": None}
     buffer = None
     if ctx.rank == 0:
@@ -338,7 +353,7 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     handle = register_optimizer_step_post_hook(on_step)
     ctx.send({"kind": "started", "t": t_start})
     try:
-        with main_is_cell(ns):   # the notebook's classes pickle as __main__.X (torch.save(model, PATH))
+        with main_is_cell(ns), _counting_backwards(stats):   # (classes pickle as __main__.X: torch.save(model))
             exec(body, ns)
             value = eval(last_expr, ns) if last_expr is not None else None
         if device.type == "cuda":
@@ -348,6 +363,25 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     t_end = time.monotonic()
     stats["seconds"] = t_end - t_start
     return value, t_start, t_end
+
+
+@contextlib.contextmanager
+def _counting_backwards(stats: dict):
+    """``stats["backwards"]`` counts the cell's backward passes (``loss.backward()`` goes through
+    ``torch.autograd.backward``): a split pass that steps no optimizer but runs backward accumulates
+    gradients for a later cell, which is training, not an evaluation that forgot ``no_grad()``."""
+    import torch.autograd
+    original = torch.autograd.backward
+    stats.setdefault("backwards", 0)
+
+    def backward(*args, **kwargs):
+        stats["backwards"] += 1
+        return original(*args, **kwargs)
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 def _trained_tensors(tensors: list, inner: dict, opts: dict) -> list:
@@ -390,7 +424,8 @@ class TrainingPassSampler(ShardedBatchSampler):
 
     A pass read whole (gradients off: an evaluation) is not training: its
     samples are not counted. A split pass in which no optimizer steps is
-    probably an evaluation that forgot ``torch.no_grad()``: what the cell
+    probably an evaluation that forgot ``torch.no_grad()`` (unless it ran
+    backward, accumulating gradients for a later cell): what the cell
     computes from it covers rank 0's share only, and a warning says so.
     """
 
@@ -401,12 +436,13 @@ class TrainingPassSampler(ShardedBatchSampler):
 
     def __iter__(self):
         split = self.splits_this_pass()
-        steps_before = self.stats["steps"]
+        steps_before, backwards_before = self.stats["steps"], self.stats.get("backwards", 0)
         for batch in super().__iter__():
             if split:
                 self.stats["samples"] += len(batch)
             yield batch
-        if split and self.stats["steps"] == steps_before and self.notify is not None and not self.warned:
+        trained = self.stats["steps"] != steps_before or self.stats.get("backwards", 0) != backwards_before
+        if split and not trained and self.notify is not None and not self.warned:
             self.warned = True
             self.notify(
                 f"DataLoader {self.name!r} was split across the ranks but no optimizer step followed: what the "

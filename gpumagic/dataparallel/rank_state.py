@@ -20,6 +20,8 @@ from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
 from .results import NotebookName
 from .returnable import changed_attributes, deleted_attributes
+from .scripting import scripted_results
+from .touched import changed as changed_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,11 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     before = meta.get("objects_before", {})
     state["still_bound"] = [n for n in meta["assigned"] if n in ns and before.get(id(ns[n]), (None, None))[0] == n
                             and before[id(ns[n])][1] is ns[n]]
+    # torch.jit.script(model) in the cell: the kernel scripts the notebook's model again
+    state["scripted"], traced = scripted_results(ns, meta["return_names"], meta.get("scripted", {}))
+    state["not_returned"] += list(traced.values())
     for n in meta["return_names"]:
-        if n not in ns or n in state["aliases"]:
+        if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced:
             continue
         v = ns[n]
         if is_plain_value(v) or n in meta.get("filled", ()):   # (a tensor the cell set items of: filled in place)
@@ -81,6 +86,8 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
                 _add_object(state, n, v)
+    for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
+        state["values"][n] = detached(ns[n])
     state["attributes"], dropped = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
     # ``del cfg.name``: deleted on the notebook's object too, as a plain cell would
     state["attributes_deleted"] = deleted_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))

@@ -14,13 +14,13 @@ import sys
 from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
-from ..cell.values import equal_values, same_tuple_type
+from ..cell.values import equal_values, is_stateful, same_tuple_type
 from .returnable import follow_path
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CellResult", "load_into_notebook", "cloned",
-           "adopt_cell_classes", "NotebookName"]
+           "adopt_cell_classes", "NotebookName", "unbind_not_returned"]
 
 @dataclass
 class CellResult:
@@ -192,6 +192,16 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 delattr(target, attr)
     for name in state.get("deleted") or []:   # unbound by the cell's ``del``, as after a plain cell
         ns.pop(name, None)
+    for name, source in (state.get("scripted") or {}).items():
+        # torch.jit.script(model) in the cell: the notebook's model scripted, sharing its parameters
+        try:
+            ns[name] = torch.jit.script(modules[source])
+        except Exception as exc:   # named in the cell's note, with the reason
+            logger.debug("torch.jit.script(%s) failed in the kernel", source, exc_info=True)
+            not_loaded.append(f"{name} (torch.jit.script({source}) raised {type(exc).__name__} in the notebook: "
+                              f"{exc})")
+            continue
+        bound.append(name)
     made = []
     for name, module in (state.get("made") or {}).items():
         # A model the cell built: a copy, since its tensors are views of a buffer the next cell reuses.
@@ -343,3 +353,19 @@ def cloned(obj):
     if isinstance(obj, tuple):
         return same_tuple_type(obj, [cloned(v) for v in obj])
     return obj
+
+
+def unbind_not_returned(ns: dict, assigned: list, not_returned: list[str], still_bound: list[str]) -> None:
+    """Names the cell bound anew that do not come back (``trainer = Trainer(...)``, noted as ending with
+    the cell) are unbound in the notebook too: left alone, they would hold what an earlier cell bound
+    (the trainer of a plain run), which the next cell would read as the cell's. A notebook model,
+    optimizer, loader or scheduler that the cell rebound to the framework's wrapper of it
+    (``loader = accelerator.prepare(loader)``) stays: it is the object the cell trained with; so does a
+    name the cell left on the notebook's own object (``still_bound``: ``ev = ev or Evaluator(model)``)."""
+    import torch
+    kept = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
+    for entry in not_returned:
+        name = entry.split(" (", 1)[0]
+        if name in assigned and name in ns and name not in still_bound \
+                and not (isinstance(ns[name], kept) or is_stateful(ns[name])):
+            del ns[name]

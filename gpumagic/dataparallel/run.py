@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import types
 import warnings
@@ -59,11 +58,13 @@ from ..procs.wire import Unshippable, pack_namespace
 from . import held
 from .detect import choose_mode
 from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
+from .grads import GRADS_KEY, notebook_grads
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
 from .rank import TASK
-from .results import CellResult, NotebookName, adopt_cell_classes, cloned, load_into_notebook
+from .results import CellResult, NotebookName, adopt_cell_classes, cloned, load_into_notebook, unbind_not_returned
 from .returnable import watched_paths
+from .touched import is_array
 from .wrapping import CUDA_STRING
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class CellSurvey:
     set_attributes: dict  # name or path -> attributes the cell sets on that notebook object
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
     filled: list = field(default_factory=list)         # notebook tensors and arrays whose items the cell sets
+    arrays: list = field(default_factory=list)         # the others it reaches: compared on rank 0 (touched.py)
     item_changes: list = field(default_factory=list)   # set through items of what does not come back
 
 
@@ -165,7 +167,7 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     items = {root: targets for root, targets in items_assigned(tree).items()
              if root in others and root not in plain_read}
     # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
-    filled = [root for root in items if _is_array(ns[root])]
+    filled = [root for root in items if is_array(ns[root])]
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
@@ -177,18 +179,13 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
                       if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])],
         filled=filled,
+        # set by a notebook function the cell calls (``def fill(i): preds[i] = ...``), or in place
+        arrays=[n for n in others if n not in filled and n not in plain_read and is_array(ns[n])],
         # ``held["n"] = 2`` on a dict holding other objects: lost with the cell, so said
         item_changes=[f"{', '.join(targets)} (set through {'items' if len(targets) > 1 else 'an item'} of {root}, "
                       f"a {type(ns[root]).__name__} that does not come back; set {'them' if len(targets) > 1 else 'it'}"
                       " in a plain cell)"
                       for root, targets in items.items() if root not in filled])
-
-
-def _is_array(value) -> bool:
-    """A plain tensor or a numpy array (its items set in place come back into it)."""
-    import torch
-    numpy = sys.modules.get("numpy")
-    return type(value) is torch.Tensor or (numpy is not None and type(value) is numpy.ndarray)
 
 
 def _modules_built(tree, ns: dict) -> list[str]:
@@ -218,6 +215,9 @@ def _tensor_targets(survey: CellSurvey, modules_to: str = "rank") -> dict:
     for m in survey.modules.values():
         for t in m.state_dict(keep_vars=True).values():
             targets[id(t)] = modules_to
+        for p in m.parameters():   # (the notebook's gradients, which the ranks start from: grads.py)
+            if p.grad is not None:
+                targets[id(p.grad)] = modules_to
     for opt in survey.optimizers.values():
         for st in opt.state.values():
             for v in st.values():
@@ -309,9 +309,10 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     shipment = prepare_shipment(compiled.tree, survey.modules, survey.optimizers, pool, blocks,
                                 plan.keep_optimizer, ns) if blocks is not None else None
     relays = Relays()   # the notebook's loggers (a SummaryWriter) stay here; rank 0's calls come back to them
+    values = {n: ns[n] for n in survey.used}
+    values[GRADS_KEY] = notebook_grads(survey.modules, fsdp=shipment is not None, launch=launch)  # (rank's)
     try:
-        packed, _ = pack_namespace({n: ns[n] for n in survey.used}, ns,
-                                   targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
+        packed, _ = pack_namespace(values, ns, targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
                                    held=pool.held, scratch=pool.outgoing,
                                    share=shipment.share if shipment else None,
                                    stand_ins=shipment.stand_ins if shipment else None,
@@ -326,7 +327,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
         "stateful": survey.stateful, "device_strings": survey.device_strings,
-        "return_names": survey.return_names, "filled": survey.filled,
+        "return_names": survey.return_names, "filled": survey.filled, "arrays": survey.arrays,
         "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
         "watched": survey.watched, "set_attributes": survey.set_attributes,
         "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
@@ -462,8 +463,8 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
         state["object_names"], state["not_loaded"] = loaded["objects"], loaded["not_loaded"]
-        _unbind_not_returned(ns, survey, state.get("not_returned", []) + state["not_loaded"],
-                             state.get("still_bound", []))
+        unbind_not_returned(ns, survey.assigned, state.get("not_returned", []) + state["not_loaded"],
+                            state.get("still_bound", []))
         if shipment:
             made = gather_deferred_state(payload["fsdp"], pool)
             state["stayed"] = load_gathered(payload["fsdp"], buffer, survey.modules, survey.optimizers, pool,
@@ -481,19 +482,3 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
                  "again, or load a checkpoint")
         raise
     return state
-
-
-def _unbind_not_returned(ns: dict, survey: CellSurvey, not_returned: list[str], still_bound: list[str]) -> None:
-    """Names the cell bound anew that do not come back (``trainer = Trainer(...)``, noted as ending with
-    the cell) are unbound in the notebook too: left alone, they would hold what an earlier cell bound
-    (the trainer of a plain run), which the next cell would read as the cell's. A notebook model,
-    optimizer, loader or scheduler that the cell rebound to the framework's wrapper of it
-    (``loader = accelerator.prepare(loader)``) stays: it is the object the cell trained with; so does a
-    name the cell left on the notebook's own object (``still_bound``: ``ev = ev or Evaluator(model)``)."""
-    import torch
-    kept = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
-    for entry in not_returned:
-        name = entry.split(" (", 1)[0]
-        if name in survey.assigned and name in ns and name not in still_bound \
-                and not (isinstance(ns[name], kept) or is_stateful(ns[name])):
-            del ns[name]

@@ -287,10 +287,18 @@ def gather_into_notebook(ctx, meta: dict, inner: dict, opts: dict, prefix=None) 
             # compares the notebook's tensors with these to know whether the ranks' shards are current.
             where.append((ref, offset, str(full.dtype).removeprefix("torch."), tuple(full.shape),
                           fingerprint_keys([full])[0]))
+    _let_go_of_optimizer_targets(targets)
     if not rank0:
         return None, None
     return {"tensors": where, "optimizers": groups, "deferred": deferred}, \
         (buffer[:total] if buffer is not None else prefix)
+
+
+def _let_go_of_optimizer_targets(targets: dict) -> None:
+    """The kernel copies the optimizers' state out of shared memory once it is written (fsdp.py): the
+    tensors the ranks hold are no longer the notebook's, and holding them would keep the memory."""
+    for ref in [r for r in targets if r[0] == "optimizer"]:
+        del targets[ref]
 
 
 GATHER_DEFERRED = "gpumagic.dataparallel.sharding:gather_deferred"
@@ -305,7 +313,6 @@ def gather_deferred(ctx, meta: dict, data) -> dict | None:
 
     from ..procs.tensor_cache import fingerprint_keys
     kept = _kept(ctx)
-    kept["targets"].update(meta["targets"])
     where = []
     with torch.no_grad():
         for ref in meta["order"]:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..cell.names import notebook_object_attributes
+from ..cell.names import held_slots
 
 __all__ = ["cell_ddp_class", "wrap_in_ddp", "held_objects_swapped", "user_module", "RankDevice", "CUDA_STRING",
            "GRAD_DTYPES", "compressed_allreduce", "refuse_unaveraged_steps", "UnaveragedParameters"]
@@ -201,31 +201,43 @@ class UnaveragedParameters(RuntimeError):
 
 @contextmanager
 def held_objects_swapped(ns: dict, swaps: dict) -> Iterator[None]:
-    """While the cell runs, notebook objects that hold a trained module or a split loader as an
-    attribute (a trainer class's ``self.model``, ``self.loader``) hold the cell's wrapper of it or the
-    rank's share instead (``swaps``: id of the original -> (original, stand-in)): called through
+    """While the cell runs, notebook objects that hold a trained module or a split loader (a trainer
+    class's ``self.model``, ``self.loader``; further down, ``self.parts.model``, ``self.nets["g"]``,
+    ``self.models[0]``: see :func:`~gpumagic.cell.names.held_slots`) hold the cell's wrapper of it or
+    the rank's share instead (``swaps``: id of the original -> (original, stand-in)): called through
     ``self.model`` the module would skip DDP, and its gradients would not be averaged. Each
-    attribute the cell did not rebind is put back afterwards, before anything is compared or sent."""
+    place the cell did not rebind is put back afterwards, before anything is compared or sent."""
     done = []
     for value in list(ns.values()):
-        attrs = notebook_object_attributes(value, ns)
-        if attrs is None:
-            continue   # (only the notebook's own objects; a module's parts are its own)
-        for key, held in list(attrs.items()):
+        # (only the notebook's own objects; a module's parts are its own)
+        for container, key, held in list(held_slots(value, ns)):
             swap = swaps.get(id(held))
             if swap is not None and swap[0] is held:
-                attrs[key] = swap[1]
-                done.append((attrs, key, held, swap[1]))
+                container[key] = swap[1]
+                done.append((container, key, held, swap[1]))
     try:
         yield
     finally:
-        for attrs, key, held, stand_in in done:
-            if attrs.get(key) is stand_in:
-                attrs[key] = held
+        for container, key, held, stand_in in done:
+            _put_back(container, key, held, stand_in)
+
+
+def _put_back(container, key, held, stand_in) -> None:
+    """``held`` where ``stand_in`` still is: at ``key``, or, in a list the cell reordered, where it went."""
+    if isinstance(container, dict):
+        if container.get(key, None) is stand_in:
+            container[key] = held
+        return
+    if key < len(container) and container[key] is stand_in:
+        container[key] = held
+        return
+    for i, item in enumerate(container):
+        if item is stand_in:
+            container[i] = held
 
 
 def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], frozen: list[str] | None = None,
-                            wrappers: dict | None = None):
+                            wrappers: dict | None = None, hint=None):
     """Check every optimizer step of the cell: a parameter that neither DDP nor FSDP averages (a
     module built in the cell, a head added beside the model) would train a different copy on each
     rank, each on its part of the data, and the notebook would get rank 0's. So the first such
@@ -237,7 +249,8 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], froz
     names them, ``frozen`` the notebook modules left unwrapped (no trainable parameters as the cell
     started). ``wrappers`` (name: the cell's DDP wrapper): a step of a wrapped module's parameters
     before any call of its wrapper with gradients on had gradients no rank averaged (the module
-    called as ``self.models[0](x)`` from a notebook object, or as ``model.module(x)``): refused too.
+    called as ``self.models[0](x)`` from a notebook object, or as ``model.module(x)``): refused too;
+    ``hint(name)`` adds to that refusal (what the cell did with the module instead, as scripting it).
     Returns the hook's handle (``.remove()`` it when the cell ends).
     """
     before = set(ns)   # the names the cell started with: a module among them is the notebook's
@@ -260,8 +273,10 @@ def refuse_unaveraged_steps(averaged_modules, ns: dict, trained: list[str], froz
                     f"{name}'s parameters have gradients, but {name} (the cell's DDP wrapper of the notebook's "
                     f"module) was never called with gradients on, so no rank averaged them: each rank would "
                     f"train its own copy on its share of the data. Call the model as {name}(...), or hold it "
-                    f"in a plain attribute of a notebook object (self.model = {name}), which the cell calls "
-                    f"through the wrapper; not in a list or dict (self.models[0]), nor as {name}.module(...)")
+                    f"in a notebook object (self.model, self.parts.model, self.nets['g'], self.models[0]: "
+                    f"attributes, dicts and lists, three levels down at most), which the cell calls through "
+                    f"the wrapper; not in a tuple, nor as {name}.module(...)."
+                    + (hint(name) if hint is not None else ""))
         averaged = {id(p) for module in averaged_modules() for p in module.parameters()}
         stray = [p for p in params if id(p) not in averaged]
         if not stray:

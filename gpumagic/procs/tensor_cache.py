@@ -153,6 +153,12 @@ class TensorStore:
         self._handed = set()
         return set(self._items)
 
+    def let_go(self, tensors) -> None:
+        """Stop holding ``tensors`` (by identity) before the cell ends: their new owner changes or
+        replaces them, and holding them would keep their memory for nothing."""
+        ids = {id(t) for t in tensors}
+        self._items = {k: t for k, t in self._items.items() if id(t) not in ids}
+
     def clear(self) -> None:
         self._items = {}
         self._handed = set()

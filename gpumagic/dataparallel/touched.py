@@ -1,0 +1,74 @@
+"""Notebook tensors and arrays a ``%%dataparallel`` cell changes without naming them in an item write.
+
+``preds[idx] = out`` written in the cell is seen in its source (``items_assigned``);
+written inside a notebook function the cell calls (``def fill(i, x): preds[i] = ...``),
+or done by an in-place method (``buf.add_(1)``, ``np.copyto(arr, ...)``), it is not.
+So rank 0 fingerprints the notebook tensors and numpy arrays the cell and the
+functions it calls can reach before the cell runs (:func:`fingerprints`), and
+compares after (:func:`changed`): what changed comes back into the notebook's
+object in place, as the items set in the cell do (:mod:`.results`).
+
+Runs in the workers: no IPython.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from ..procs.returning import RETURN_LIMIT
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["is_array", "fingerprints", "changed"]
+
+
+def is_array(value) -> bool:
+    """A plain tensor or a numpy array (its contents can be given back to the notebook's in place)."""
+    import torch
+    numpy = sys.modules.get("numpy")
+    return type(value) is torch.Tensor or (numpy is not None and type(value) is numpy.ndarray)
+
+
+def _as_tensor(value):
+    """A tensor over ``value``'s bytes (a numpy array's viewed, not copied, where contiguous); None for
+    kinds torch has no dtype for (object, strings), or beyond what one cell brings back."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            return None
+    else:
+        import numpy
+        try:
+            t = torch.from_numpy(numpy.ascontiguousarray(value))
+        except TypeError:   # object, string, datetime arrays: not compared
+            logger.debug("a numpy array of dtype %s is not compared", value.dtype)
+            return None
+    return t if t.numel() * t.element_size() <= RETURN_LIMIT else None
+
+
+def _key(value):
+    from ..procs.tensor_cache import fingerprint_keys
+    t = _as_tensor(value)
+    return None if t is None else fingerprint_keys([t])[0]
+
+
+def fingerprints(ns: dict, names: list[str]) -> dict:
+    """``{name: (object, fingerprint)}`` for the tensors and arrays among ``names`` in ``ns``."""
+    found = {}
+    for name in names:
+        value = ns.get(name)
+        if is_array(value):
+            key = _key(value)
+            if key is not None:
+                found[name] = (value, key)
+    return found
+
+
+def changed(ns: dict, before: dict) -> list[str]:
+    """The names of :func:`fingerprints` ``before`` whose object is still bound and whose contents changed."""
+    out = []
+    for name, (value, key) in before.items():
+        if ns.get(name) is value and _key(value) != key:
+            out.append(name)
+    return out
