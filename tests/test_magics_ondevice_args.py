@@ -90,6 +90,16 @@ def test_training_magics_get_their_values_unquoted(shell):
     ("'cuda:1' --time", ["cuda:1", "--time"]), ('"cpu"', ["cpu"]), ("cpu", ["cpu"]),
     ("--devices='0,1'", ["--devices=0,1"]), ("--devices '0','1'", ["--devices", "0,1"]), ("''", [""]),
     ('--cluster "C:\\my dir\\f.json"', ["--cluster", "C:\\my dir\\f.json"]), ("a#b", ["a#b"]), ("", []),
+    ("cpu  # the cell's device", ["cpu"]), ("--watch # live gauges", ["--watch"]), ("# only a comment", []),
+    ("'a # b' c", ["a # b", "c"]), ('--model "m#1" #', ["--model", "m#1"]),
 ])
 def test_split(line, expected):
     assert split(line) == expected
+
+
+def test_a_comment_after_a_magic_is_a_comment(shell):
+    # As README's quickstart writes them: a comment on the magic's line, with an apostrophe in it.
+    shell.run_line_magic("gpuinfo", "--json  # every device; the picker's choice is where cells run")
+    result = shell.run_cell("%%ondevice cpu   # the cell's device\nimport torch\nx = torch.ones(2).cuda()\n")
+    result.raise_error()
+    assert shell.user_ns["x"].device.type == "cpu"

@@ -17,16 +17,32 @@ def split(line: str) -> list[str]:
     """``line`` as the magic's arguments, quotes taken off as a shell does: ``"cuda:1"`` and ``'cpu'`` (devices
     copied from Python) are ``cuda:1`` and ``cpu``, ``--devices 'cuda:0','cuda:1'`` is ``--devices cuda:0,cuda:1``.
 
+    A ``#`` that starts a word, outside quotes, begins a comment, as in Python and a shell:
+    ``%gpumem --watch  # live gauges`` is ``--watch``; ``#`` inside a word (``run#2``) is kept.
     Backslashes are kept as written (a Windows path). Raises ``UsageError`` for a quote left open.
     """
-    lexer = shlex.shlex(line, posix=True)
+    lexer = shlex.shlex(_without_comment(line), posix=True)
     lexer.whitespace_split = True
-    lexer.commenters = ""   # '#' is not a comment on a magic's line (IPython's own split agrees)
+    lexer.commenters = ""   # comments are taken off above, where '#' inside a word can be kept
     lexer.escape = ""
     try:
         return list(lexer)
     except ValueError as exc:   # "No closing quotation"
         raise UsageError(f"{exc} in {line.strip()!r}") from None
+
+
+def _without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes (the rest is a comment)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
 
 
 def parse(magic_func, line: str):
