@@ -17,8 +17,6 @@ import ast
 from collections import Counter
 from typing import Any
 
-from ..errors import usage_error
-
 __all__ = ["choose_blocks", "candidate_blocks", "block_instances", "autocast_dtype"]
 
 
@@ -75,6 +73,7 @@ def choose_blocks(module, wrap: list[str] | None = None, name: str = "model") ->
         present = {type(m).__name__ for m in module.modules() if m is not module}
         missing = [w for w in wrap if w not in present]
         if missing:
+            from ..errors import usage_error  # here, not at the top: ranks import this module, and no IPython
             raise usage_error(f"--wrap {','.join(missing)}: {name} ({type(module).__name__}) has no such "
                               "submodule class; its candidate block classes are "
                               f"{', '.join(candidates) or '(none: it has no repeated blocks)'}",
@@ -89,6 +88,7 @@ def choose_blocks(module, wrap: list[str] | None = None, name: str = "model") ->
         chosen = [c.__name__ for c in outer if _shares_parameters(module, [c.__name__]) is None]
     shared = _shares_parameters(module, chosen)
     if shared is not None:
+        from ..errors import usage_error
         others = [c for c in candidates if c != shared]
         raise usage_error(f"--strategy fsdp cannot shard {name} with {shared} as a unit: a parameter of a {shared} "
                           "is also used outside it (tied weights), and FSDP shards each parameter in one unit only; "
