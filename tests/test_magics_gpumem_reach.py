@@ -129,3 +129,15 @@ def test_a_notebook_class_holds_its_class_attributes(shell):
     assert result.success
     held = shell.run_line_magic("gpumem", "--vars --json")
     assert [(v["name"], v["bytes"]) for v in held["variables"]] == [("Embedder", 1024), ("embedder", 64)]
+
+
+def test_a_failed_cells_own_frame_is_not_named_for_what_the_notebook_holds(shell):
+    # The traceback of an error raised at a cell's top level holds the cell's frame, whose locals are
+    # the notebook's namespace: what Out or a variable holds is not held by the error, and clearing
+    # sys.last_traceback would free none of it.
+    assert not run_cell(shell, "import torch\n1/0")[0].success
+    run_cell(shell, "torch.ones(400, 400)")            # held by Out alone
+    notes = shell.run_line_magic("gpumem", "--vars --json")["notes"]
+    assert [n.split(" still holds")[0] for n in notes] == ["the output history (Out[...])"], notes
+    run_cell(shell, "%reset -f out")
+    assert shell.run_line_magic("gpumem", "--vars --json")["notes"] == []

@@ -196,8 +196,11 @@ class Collector:
                 items.append(obj.tb_frame)
                 obj = obj.tb_next
         elif cls is types.FrameType:
-            # its locals, not f_back: the frames that called it are alive anyway, or in this traceback
-            items = list(obj.f_locals.values())
+            # its locals, not f_back: the frames that called it are alive anyway, or in this traceback.
+            # A module-level frame (a cell's own) has its module's globals, the notebook's namespace,
+            # as locals: those live on without the frame and are the variables' to count.
+            locals_ = obj.f_locals
+            items = () if locals_ is obj.f_globals else list(locals_.values())
         elif issubclass(cls, type):
             # A notebook's class keeps its class attributes (a cache shared by every instance);
             # a library's classes hold no notebook memory and would only slow the scan.
