@@ -232,3 +232,97 @@ def test_a_long_interval_stops_at_once_and_one_past_what_a_wait_takes_is_refused
         with pytest.raises(ValueError, match="interval must be positive seconds up to 9223372036"):
             monitor.Monitor(["cpu"], interval=interval)
     assert monitor_threads() == []
+
+
+def _hang_memory_reads(machine):
+    """Make the fake NVML's memory read block, as a wedged driver's does; returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = machine.nvmlDeviceGetMemoryInfo
+
+    def hanging(handle):
+        entered.set()
+        release.wait(60)   # (bounded, so that a failing test leaves no thread for good)
+        return real(handle)
+    machine.nvmlDeviceGetMemoryInfo = hanging
+    return entered, release
+
+
+def _in_thread(fn, timeout=10.0):
+    """Run ``fn`` in a thread; returns (finished, seconds, result): a hang fails the test instead of the run."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    started = time.monotonic()
+    worker.start()
+    worker.join(timeout)
+    return not worker.is_alive(), time.monotonic() - started, out[0] if out else None
+
+
+def test_stop_is_bounded_when_a_reading_hangs(notebook, machine, monkeypatch, caplog):
+    # %gpumem --stop waited for ever on the tick lock that a hung NVML read held.
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "cuda:0 --watch --interval 0.05")
+    mon = monitor.current()
+    gauge, thread = mon.gauges["cuda:0"], mon.thread
+    assert gauge.used == GiB
+    entered, release = _hang_memory_reads(machine)
+    monkeypatch.setattr(monitor, "STOP_TIMEOUT", 0.3, raising=False)
+    try:
+        assert entered.wait(5)   # the thread is inside the read now
+
+        def stop_magic():
+            with capture_output() as cap:
+                notebook.run_line_magic("gpumem", "--stop")
+            return cap.stdout
+        finished, seconds, out = _in_thread(stop_magic)
+        assert finished and 0.3 <= seconds < 2.0
+        assert "Stopped the memory gauges." in out
+        assert monitor.current() is None and mon.closed and not mon.running
+        assert gauge.comm is None and mon.box.comm is None and open_gauges() == []
+        warnings = [r.getMessage() for r in caplog.records
+                    if r.name == "gpumagic.widgets.monitor" and r.levelname == "WARNING"]
+        assert len(warnings) == 1
+        assert warnings[0].startswith("gpumagic's memory monitor did not stop within 0.3 s: a reading of cuda:0 "
+                                      "has not returned")
+        assert thread.daemon and thread.is_alive()   # left behind, stuck in the read
+        # The read returns at last, with new figures: the thread ends and the closed gauge stays as it was.
+        sends = gauge.sends
+        machine.gpus[0]["used"] = 50 * GiB
+    finally:
+        release.set()
+    assert wait_for(lambda: not thread.is_alive())
+    assert gauge.sends == sends and gauge.used == GiB
+    assert monitor_threads() == []
+
+
+def test_unload_ext_is_bounded_when_a_reading_hangs(notebook, machine, monkeypatch, caplog):
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "--watch --interval 0.05")
+    mon = monitor.current()
+    entered, release = _hang_memory_reads(machine)
+    monkeypatch.setattr(monitor, "STOP_TIMEOUT", 0.3, raising=False)
+    try:
+        assert entered.wait(5)
+        finished, seconds, _ = _in_thread(lambda: notebook.run_line_magic("unload_ext", "gpumagic"))
+        assert finished and seconds < 2.0
+        assert "gpumem" not in notebook.magics_manager.magics["line"]
+        assert monitor.current() is None and mon.closed and open_gauges() == []
+        assert any("did not stop within 0.3 s" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
+        notebook.run_line_magic("load_ext", "gpumagic")
+    assert wait_for(lambda: monitor_threads() == [])
+
+
+def test_restart_with_a_hung_reading_closes_the_gauges_and_says_so(machine, monkeypatch):
+    from gpumagic.devices import visible_gpus
+    mon = monitor.start(visible_gpus()[:1], interval=0.05)
+    entered, release = _hang_memory_reads(machine)
+    monkeypatch.setattr(monitor, "STOP_TIMEOUT", 0.2, raising=False)
+    try:
+        assert entered.wait(5)
+        with pytest.raises(RuntimeError, match="stuck in a reading"):
+            monitor.restart(0.1)
+        assert monitor.current() is None and mon.closed and open_gauges() == []
+    finally:
+        release.set()
+    assert wait_for(lambda: monitor_threads() == [])

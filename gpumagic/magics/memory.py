@@ -139,7 +139,8 @@ class MemoryMagics(Magics):
         """
         from ..devices import memory, variables, visible_gpus
         args = parse(self.gpumem, line)
-        gpus = visible_gpus()
+        # --stop asks NVML nothing (unless a device is named): with a wedged driver it must still stop the gauges.
+        gpus = [] if args.stop and args.device is None else visible_gpus()
         device = check_args(args, gpus)
 
         if args.stop:

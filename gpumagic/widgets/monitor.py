@@ -10,6 +10,9 @@ not changed.
 Only one monitor runs per kernel: :func:`start` replaces the running one (its
 thread is stopped and its gauges closed), :func:`stop` ends it, and
 ``%unload_ext gpumagic`` stops it through :func:`gpumagic.session.register_closer`.
+Stopping waits at most :data:`STOP_TIMEOUT` seconds: a reading that never returns
+(a wedged driver) leaves its daemon thread behind, with a logged warning, instead
+of hanging the kernel.
 """
 from __future__ import annotations
 
@@ -26,10 +29,13 @@ from .gauge import MemoryGauge
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL"]
+__all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL", "STOP_TIMEOUT"]
 
 THREAD_NAME = "gpumagic-memory-monitor"
 DEFAULT_INTERVAL = 0.25
+# A reading takes microseconds; one still running after this is hung (a wedged driver) and is
+# left behind rather than hang %gpumem --stop or %unload_ext.
+STOP_TIMEOUT = 2.0
 _CLOSER = "gpumem-monitor"
 
 _lock = threading.RLock()
@@ -110,6 +116,8 @@ class Monitor:
                     self.errors = (self.errors + [error])[-10:]
                     changed += gauge.show(None, None, "n/a: reading failed")
                     continue
+                if self.closed:  # stopped while this reading hung: its gauges are no longer ours to update
+                    return changed
                 changed += gauge.show(mem.used, mem.total, _detail(mem))
             self.ticks += 1
         return changed
@@ -130,26 +138,53 @@ class Monitor:
         self._thread.start()
         return self
 
-    def stop(self, close: bool = True) -> None:
-        """Stop the thread (waits for it); ``close`` also closes the widgets."""
+    def stop(self, close: bool = True, timeout: float | None = None) -> bool:
+        """Stop the thread, waiting at most ``timeout`` s (default :data:`STOP_TIMEOUT`); ``close`` also
+        closes the widgets.
+
+        Returns False when the thread is still inside a reading after that (a hung
+        NVML call): it is a daemon thread, so it is left behind with a logged
+        warning, and the widgets are closed without waiting for it.
+        """
         self._stop.set()
         thread = self._thread
+        timeout = STOP_TIMEOUT if timeout is None else timeout
+        stopped = True
         if thread is not None and thread is not threading.current_thread():
             # The stop event wakes the thread at once: waiting on a tick, not on the interval
             # (4 * a long interval overflows join's timeout).
-            thread.join(timeout=5.0)
+            thread.join(timeout=timeout)
+            stopped = not thread.is_alive()
         self._thread = None
+        if not stopped:
+            logger.warning("gpumagic's memory monitor did not stop within %.1f s: a reading of %s has not "
+                           "returned (NVML hangs: a wedged GPU driver?). Its daemon thread is left behind and "
+                           "updates nothing more%s.", timeout, ", ".join(self.gauges) or "no device",
+                           "; the gauges are closed" if close else "")
         if close and not self.closed:
-            with self._tick_lock:
+            # A hung tick holds the lock for good: close without it (the tick checks `closed`).
+            locked = self._tick_lock.acquire(timeout=timeout if stopped else 0)
+            try:
                 self.closed = True
                 self.box.close()  # the gauges too, with their layouts and styles
+            finally:
+                if locked:
+                    self._tick_lock.release()
+        return stopped
 
     def restart(self, interval: float | None = None) -> Monitor:
-        """Restart the thread, optionally with a new interval; the gauges stay."""
+        """Restart the thread, optionally with a new interval; the gauges stay.
+
+        Where the old thread is stuck in a reading, the gauges are closed and
+        ``RuntimeError`` says so: a new thread would wait on the same reading.
+        """
         if interval is not None:
             _check_interval(interval)
             self.interval = float(interval)
-        self.stop(close=False)
+        if not self.stop(close=False):
+            self.stop(close=True, timeout=0)
+            raise RuntimeError("the memory monitor's thread is stuck in a reading (NVML hangs: a wedged GPU "
+                               "driver?); its gauges were closed")
         return self.start()
 
     def text(self) -> str:
@@ -208,4 +243,8 @@ def restart(interval: float | None = None) -> Monitor | None:
         mon = _current
         if mon is None:
             return None
-        return mon.restart(interval)
+        try:
+            return mon.restart(interval)
+        except RuntimeError:
+            stop()   # its gauges are closed: no monitor runs now
+            raise
