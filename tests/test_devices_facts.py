@@ -61,3 +61,34 @@ def test_a_failing_allocator_query_leaves_the_report_whole(machine, monkeypatch)
     text = render_report(report).text
     assert "torch allocated" in text and "n/a" in text
     assert lazy_inits == []
+
+
+def test_an_unprimed_cpu_reading_waits_for_a_window_then_is_reused(monkeypatch):
+    # Without a window (no %load_ext before: device_report() from Python), the reading waits the 0.1 s a
+    # meaningful one needs instead of reading 0 over no time; asked again at once, it is given again.
+    import time
+
+    from gpumagic.devices import facts
+    monkeypatch.setattr(facts, "_cpu_base", None)
+    monkeypatch.setattr(facts, "_cpu_last", None)
+    started = time.monotonic()
+    first = facts.cpu_facts()
+    took = time.monotonic() - started
+    assert 0.1 <= took < 0.5 and 0.1 <= first["utilization_cpu_seconds"] < 0.5
+    assert 0.0 <= first["utilization_cpu"] <= 100.0
+    started = time.monotonic()
+    again = facts.cpu_facts()
+    assert time.monotonic() - started < 0.1
+    assert (again["utilization_cpu"], again["utilization_cpu_seconds"]) == \
+        (first["utilization_cpu"], first["utilization_cpu_seconds"])
+
+
+def test_cpu_busy_share_is_busy_time_over_all_time():
+    from collections import namedtuple
+
+    from gpumagic.devices import facts
+    times = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+    before = times(100.0, 0.0, 20.0, 300.0, 5.0, 0.0, 1.0, 0.0, 7.0, 0.0)
+    after = times(130.0, 0.0, 30.0, 350.0, 10.0, 0.0, 1.0, 0.0, 9.0, 0.0)   # guest is inside user already
+    (busy0, total0), (busy1, total1) = facts._busy_and_total(before), facts._busy_and_total(after)
+    assert (busy1 - busy0, total1 - total0) == (40.0, 95.0)   # user+system busy; idle+iowait not

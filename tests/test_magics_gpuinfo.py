@@ -1,6 +1,8 @@
 """%gpuinfo through a real InteractiveShell, the device picker, and extension loading."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ from IPython.utils.capture import capture_output
 import gpumagic
 from gpumagic import session
 from gpumagic.devices import nvml
-from tests.conftest import run_cell
+from tests.conftest import ROOT, run_cell
 from tests.fake_nvml import four_gpu_machine
 
 
@@ -227,3 +229,47 @@ def test_a_picker_shows_a_picked_device_that_is_gone(notebook, fake_machine, mon
         assert session.picked_device() == "cuda:1"
     finally:
         picker.close()
+
+
+FRESH_KERNEL_CPU = """
+import json, subprocess, sys, time
+spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])   # one core busy throughout
+try:
+    import psutil, torch   # a notebook's first cell
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    time.sleep(0.3)
+    shell.run_line_magic("load_ext", "gpumagic")   # %load_ext and %gpuinfo in one cell
+    started = time.monotonic()
+    first = shell.run_line_magic("gpuinfo", "cpu --json")["devices"][0]
+    took = time.monotonic() - started
+    again = shell.run_line_magic("gpuinfo", "cpu --json")["devices"][0]
+    time.sleep(0.5)
+    later = shell.run_line_magic("gpuinfo", "cpu --json")["devices"][0]
+    from IPython.utils.capture import capture_output
+    with capture_output() as cap:
+        shell.run_line_magic("gpuinfo", "cpu")
+finally:
+    spinner.kill()
+keys = ("utilization_cpu", "utilization_cpu_seconds")
+print(json.dumps({"cores": psutil.cpu_count(), "took": took, "text": cap.stdout,
+                  **{name: [facts.get(k) for k in keys] for name, facts in
+                     (("first", first), ("again", again), ("later", later))}}))
+"""
+
+
+def test_cpu_utilisation_is_measured_in_a_fresh_kernel():
+    # psutil.cpu_percent(interval=None)'s first call in a process measured a window of microseconds since
+    # psutil's import: the fresh kernel's first %gpuinfo showed 0 % (or 100 %) CPU whatever the load.
+    out = subprocess.run([sys.executable, "-c", FRESH_KERNEL_CPU], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    one_core = 100 / seen["cores"]
+    (busy, window), (busy_again, window_again), (busy_later, window_later) = seen["first"], seen["again"], seen["later"]
+    assert busy >= 0.8 * one_core                          # the spinning core, at least
+    assert window >= 0.1 and seen["took"] < 1.0           # a real window, without keeping the kernel waiting
+    assert (busy_again, window_again) == (busy, window)    # asked again at once: the same reading
+    assert 0.5 <= window_later < 1.0 and busy_later >= 0.8 * one_core
+    row = next(line for line in seen["text"].splitlines() if line.startswith("utilisation (time busy)"))
+    assert row.split()[-2:] == [f"{busy_later:.0f}", "%"]

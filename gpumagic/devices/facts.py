@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import platform
+import threading
+import time
 from typing import Any
 
 from . import nvml
@@ -28,7 +30,8 @@ from .memory import torch_allocator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["device_report", "gpu_facts", "cpu_facts", "system_facts"]
+__all__ = ["device_report", "gpu_facts", "cpu_facts", "system_facts", "prime_cpu_utilisation", "cpu_utilisation",
+           "cpu_name"]
 
 _OTHER_DEVICES = {"meta": "meta tensors (shapes only, no storage)", "mps": "Apple Metal"}
 
@@ -204,19 +207,26 @@ def system_facts() -> dict:
     return facts
 
 
-def cpu_facts() -> dict:
-    """The CPU as a device: name, cores, memory of the machine and of this kernel."""
-    import psutil
-    vm = psutil.virtual_memory()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else what :mod:`platform` says); reads no utilisation."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+                    return line.split(":", 1)[1].strip()
+    except OSError:   # not Linux, or /proc hidden: platform's answer
+        logger.debug("could not read /proc/cpuinfo for the CPU's name", exc_info=True)
+    return name
+
+
+def cpu_facts() -> dict:
+    """The CPU as a device: name, cores, memory of the machine and of this kernel, and its busy share
+    (:func:`cpu_utilisation`; ``utilization_cpu_seconds`` is the window it covers)."""
+    import psutil
+    busy, window = cpu_utilisation()
+    vm = psutil.virtual_memory()
+    name = cpu_name()
     return {
         "device": "cpu",
         "name": name,
@@ -226,5 +236,58 @@ def cpu_facts() -> dict:
         "memory_used": vm.total - vm.available,
         "memory_free": vm.available,
         "process_rss": psutil.Process().memory_info().rss,
-        "utilization_cpu": psutil.cpu_percent(interval=None),
+        "utilization_cpu": busy,
+        "utilization_cpu_seconds": round(window, 3),
     }
+
+
+# The CPU's busy share is measured between two readings of its times, as psutil.cpu_percent(interval=None)
+# does, but from a baseline of gpumagic's own: psutil's is taken when psutil is imported (its first call
+# in a fresh process reads 0.0 over a window of microseconds), per thread, and moved by the user's calls.
+CPU_SAMPLE_MIN = 0.1   # seconds: a shorter window holds a tick or two of the kernel's 10 ms clock, noise
+_cpu_lock = threading.Lock()
+_cpu_base: tuple[float, Any] | None = None             # (monotonic time, psutil.cpu_times()) of the last reading
+_cpu_last: tuple[float, float | None, float] | None = None   # (time, percent, window) of the last reading
+
+
+def prime_cpu_utilisation() -> None:
+    """Start the CPU's first busy-time window (when the extension loads), so the first reading covers the
+    time since then instead of none."""
+    global _cpu_base
+    import psutil
+    with _cpu_lock:
+        if _cpu_base is None:
+            _cpu_base = (time.monotonic(), psutil.cpu_times())
+
+
+def _busy_and_total(times) -> tuple[float, float]:
+    fields = times._asdict()
+    # As psutil counts: guest time is already in user time (Linux), iowait is idle.
+    total = sum(fields.values()) - fields.get("guest", 0.0) - fields.get("guest_nice", 0.0)
+    return total - fields.get("idle", 0.0) - fields.get("iowait", 0.0), total
+
+
+def cpu_utilisation() -> tuple[float | None, float]:
+    """``(percent, seconds)``: the share of all cores' time spent busy since the previous reading (or since
+    :func:`prime_cpu_utilisation`), and how long that window was.
+
+    A window shorter than :data:`CPU_SAMPLE_MIN` says nothing, so a reading that recent is given again,
+    and where there is none the call waits until the window is that long (at most 0.1 s: the first
+    reading of a process that never primed, or ``%load_ext`` and ``%gpuinfo`` in one cell).
+    ``percent`` is None where the clock did not advance.
+    """
+    global _cpu_base, _cpu_last
+    import psutil
+    with _cpu_lock:   # held while waiting: a concurrent caller then gets this reading
+        now = time.monotonic()
+        if _cpu_last is not None and now - _cpu_last[0] < CPU_SAMPLE_MIN:
+            return _cpu_last[1], _cpu_last[2]
+        base = _cpu_base or (now, psutil.cpu_times())
+        if now - base[0] < CPU_SAMPLE_MIN:
+            time.sleep(CPU_SAMPLE_MIN - (now - base[0]))
+        now, times = time.monotonic(), psutil.cpu_times()
+        (busy0, total0), (busy1, total1) = _busy_and_total(base[1]), _busy_and_total(times)
+        percent = round(min(100.0, max(0.0, 100 * (busy1 - busy0) / (total1 - total0))), 1) \
+            if total1 > total0 else None
+        _cpu_base, _cpu_last = (now, times), (now, percent, now - base[0])
+        return percent, now - base[0]

@@ -131,6 +131,13 @@ def shown_device(spec) -> str:
 @magics_class
 class InfoMagics(Magics):
 
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell, **kwargs)
+        # Made when the extension loads: the CPU's busy share in the first %gpuinfo covers the time
+        # since then (see devices/facts.py), instead of a window of no time that reads 0 %.
+        from ..devices.facts import prime_cpu_utilisation
+        prime_cpu_utilisation()
+
     @magic_arguments()
     @argument("device", nargs="?", default=None,
               help="show one device: cpu, cuda (or gpu), cuda:N, N, mps, meta (default: all)")
