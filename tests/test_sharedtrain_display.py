@@ -59,3 +59,25 @@ def test_a_stopped_run_says_which_side_failed(capsys):
                       (RuntimeError("loading failed"), "(RuntimeError in the kernel)")):
         progress.stopped(result, exc)
         assert says in capsys.readouterr().err
+
+
+def _result_of(modules: dict) -> SharedTrainResult:
+    stats = [WorkerStats(rank=r, steps=2, samples=64, state="done") for r in range(2)]
+    return SharedTrainResult(modules=modules, nprocs=2, start_method="fork", start_reason="safe", device="cpu",
+                             seed=0, sharing_strategy="file_descriptor", history=History(2), workers=stats,
+                             seconds=0.5, status="done")
+
+
+def test_the_headline_names_every_trained_module():
+    # With nets = {"a": ..., "b": ...} the headline said only: trained "nets['a']".
+    from gpumagic.sharedtrain.display import render_summary
+    two = _result_of({"nets['a']": torch.nn.Linear(1, 1), "loss_fn": torch.nn.CrossEntropyLoss(),
+                      "nets['b']": torch.nn.Linear(1, 1)})
+    assert two.trained_names == ["nets['a']", "nets['b']"]   # a loss function trains nothing
+    assert "2 workers (fork) on cpu trained \"nets['a']\" and \"nets['b']\": 4 steps, 128 samples in 0.5 s" \
+        in render_summary(two).text
+    many = _result_of({f"layers[{i}]": torch.nn.Linear(1, 1) for i in range(7)})
+    assert "on cpu trained 'layers[0]', 'layers[1]', 'layers[2]' and 4 more: 4 steps" in render_summary(many).text
+    three = _result_of({name: torch.nn.Linear(1, 1) for name in ("g", "d", "e")})
+    assert "trained 'g', 'd' and 'e': 4 steps" in render_summary(three).text
+    assert "trained 'loss_fn': 4 steps" in render_summary(_result_of({"loss_fn": torch.nn.MSELoss()})).text

@@ -13,7 +13,7 @@ import time
 from .. import display
 from ..procs.output import RankOutput
 
-__all__ = ["Progress", "render_summary", "render_progress", "sparkline", "RESULT_NAME"]
+__all__ = ["Progress", "render_summary", "render_progress", "sparkline", "trained_text", "RESULT_NAME"]
 
 RESULT_NAME = "sharedtrain"
 _BARS = "▁▂▃▄▅▆▇█"
@@ -118,11 +118,19 @@ def _worker_rows(result, key: str | None) -> tuple[list, list]:
     return header, rows
 
 
+def trained_text(names: list[str], most: int = 3) -> str:
+    """``'model'``, ``"nets['a']" and "nets['b']"``; past ``most`` names, the first ones and how many more."""
+    quoted = [repr(n) for n in names] or [repr("the model")]
+    if len(quoted) > most:
+        return f"{', '.join(quoted[:most])} and {len(quoted) - most} more"
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
 def _headline(result) -> str:
     rate = result.samples_per_s
     first = result.first_step
     parts = [f"{result.nprocs} worker{'s' if result.nprocs != 1 else ''} ({result.start_method}) on "
-             f"{result.device} trained {result.model_name or 'the model'!r}: {result.steps} steps, "
+             f"{result.device} trained {trained_text(result.trained_names)}: {result.steps} steps, "
              f"{result.samples} samples in {result.seconds:.1f} s"]
     if rate:
         parts.append(f"{rate:.0f} samples/s")

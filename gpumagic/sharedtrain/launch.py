@@ -81,12 +81,14 @@ from .plan import (
     check_nprocs,
     check_trainable,
     choose_method,
+    held_items,
     held_modules,
+    held_optimizers,
     loader_shardable,
     resolve_device,
 )
 from .results import History, SharedTrainResult, WorkerStats
-from .sharing import match_optimizer_devices, share_modules, travels_shared
+from .sharing import match_optimizer_devices, share_modules, share_optimizer_state, travels_shared
 from .worker import TASK
 
 logger = logging.getLogger(__name__)
@@ -174,13 +176,7 @@ def _share(modules: dict, optimizers: dict, device_name: str, move: bool) -> tup
             match_optimizer_devices(optimizer)
     strategy = share_modules(modules, notes)
     for name, optimizer in optimizers.items():
-        tensors = [v for s in optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if tensors and not device_name.startswith("cuda") and all(travels_shared(v) for v in tensors):
-            notes.append(f"{name!r}: its state is in shared memory, so all workers update one state")
-        else:
-            notes.append(f"{name!r}: each worker steps its own copy ({type(optimizer).__name__}, state as in the "
-                         "notebook) over the shared weights; the notebook's optimizer is left as it was")
+        notes.append(share_optimizer_state(name, optimizer, on_gpu=device_name.startswith("cuda")))
     return strategy, notes
 
 
@@ -328,6 +324,10 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
                      "report(name=value) sends values back (sharedtrain.history)")
     optimizers = find_optimizers(probe, ns, modules)
+    optimizers.update(held_optimizers(ns, used, modules, optimizers))   # opts['g'] in a notebook dict
+    # where the workers find modules and optimizers kept in a notebook list or dict
+    held = {expr: where for kind in (torch.nn.Module, torch.optim.Optimizer)
+            for expr, where in held_items(ns, used, kind).items() if expr in modules or expr in optimizers}
 
     strategy, sharing_notes = _share(modules, optimizers, device_name, move)
     notes += sharing_notes
@@ -345,7 +345,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
                  # (a spawned worker starts with torch's defaults, not the kernel's float64, say)
                  "torch_settings": torch_settings.current(), "compile_settings": notebook_compile_settings(),
                  "loaders": loaders, "optimizers": list(optimizers),
-                 "modules": list(modules),
+                 "modules": list(modules), "held": held,
                  # what a worker changes in place of these stays in its copy: the kernel says so
                  "watched": watched_names(ns, [n for n in used if n not in modules and n not in optimizers
                                                and n not in loaders and n not in assigned

@@ -15,8 +15,8 @@ from ..procs import forkserver
 from ..procs.cpus import check_process_count, physical_cores, usable_cpus
 from ..procs.start import choose_start_method
 
-__all__ = ["check_nprocs", "resolve_device", "held_modules", "check_trainable", "loader_shardable", "choose_method",
-           "FORKSERVER_PRELOAD"]
+__all__ = ["check_nprocs", "resolve_device", "held_items", "held_modules", "held_optimizers", "check_trainable",
+           "loader_shardable", "choose_method", "FORKSERVER_PRELOAD"]
 
 # What the fork server imports once for every later cell's workers: torch, the worker's side, and
 # what a first optimizer call imports.
@@ -65,17 +65,38 @@ def resolve_device(spec, modules: dict) -> tuple[str, bool]:
     return device, False
 
 
-def held_modules(ns: dict, used: list[str]) -> dict:
-    """Modules the cell reaches in a notebook list, tuple or dict (``nets["g"]``), by the expression naming
-    each: shared in place like a module bound to a name."""
+def held_items(ns: dict, used: list[str], kind: type) -> dict:
+    """Objects of ``kind`` the cell reaches in a notebook list, tuple or dict, by the expression naming each
+    (``nets['g']``): ``{expression: (name, key)}``, each object once."""
     found: dict = {}
+    seen: list = []
     for name in used:
         value = ns.get(name)
         items = value.items() if isinstance(value, dict) else \
             enumerate(value) if isinstance(value, (list, tuple)) else ()
         for key, item in items:
-            if isinstance(item, torch.nn.Module) and all(item is not m for m in found.values()):
-                found[f"{name}[{key!r}]"] = item
+            if isinstance(item, kind) and all(item is not other for other in seen):
+                seen.append(item)
+                found[f"{name}[{key!r}]"] = (name, key)
+    return found
+
+
+def held_modules(ns: dict, used: list[str]) -> dict:
+    """Modules the cell reaches in a notebook list, tuple or dict (``nets["g"]``), by the expression naming
+    each: shared in place like a module bound to a name."""
+    return {expr: ns[name][key] for expr, (name, key) in held_items(ns, used, torch.nn.Module).items()}
+
+
+def held_optimizers(ns: dict, used: list[str], modules: dict, named: dict) -> dict:
+    """Optimizers of ``modules``' parameters the cell reaches in a notebook list, tuple or dict
+    (``opts['g']``), by the expression naming each; those in ``named`` (bound to a name) left out."""
+    params = {id(p) for m in modules.values() for p in m.parameters()}
+    found = {}
+    for expr, (name, key) in held_items(ns, used, torch.optim.Optimizer).items():
+        optimizer = ns[name][key]
+        if all(optimizer is not other for other in named.values()) and \
+                any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+            found[expr] = optimizer
     return found
 
 

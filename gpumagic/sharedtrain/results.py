@@ -137,6 +137,12 @@ class SharedTrainResult:
         return next(iter(self.modules.values()))
 
     @property
+    def trained_names(self) -> list[str]:
+        """The names of the modules with parameters (of every module where none has any): what trained."""
+        names = [n for n, m in self.modules.items() if any(True for _ in m.parameters())]
+        return names or list(self.modules)
+
+    @property
     def model_name(self) -> str:
         for name, module in self.modules.items():
             if module is self.model:

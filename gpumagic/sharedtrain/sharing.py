@@ -17,7 +17,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["plan_sharing", "share_modules", "travels_shared", "match_optimizer_devices", "private_state"]
+__all__ = ["plan_sharing", "share_modules", "travels_shared", "match_optimizer_devices", "private_state",
+           "share_optimizer_state"]
 
 
 def plan_sharing(new_storages: int, open_fds: int, soft: int, hard: int,
@@ -119,6 +120,44 @@ def travels_shared(obj) -> bool:
         return obj.device.type == "cuda" or obj.is_shared()
     except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
         return False
+
+
+def share_optimizer_state(name: str, optimizer, on_gpu: bool) -> str:
+    """Say which of ``optimizer``'s state all workers update and which each worker has its own; returns the note.
+
+    Where every state tensor with elements is already in shared memory (the A3C ``SharedAdam``
+    pattern), its 0-d tensors (Adam's ``step``) are put there too, in place: such code shares
+    ``step`` with the moments, and Adam's bias correction must count the steps taken on them.
+    On a GPU each worker's state is its own copy (see :func:`private_state`).
+    """
+    values: dict[str, list] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            values.setdefault(str(key), []).append(value)
+    tensors = [v for vs in values.values() for v in vs if isinstance(v, torch.Tensor)]
+    own_copy = (f"{name!r}: each worker steps its own copy ({type(optimizer).__name__}, state as in the "
+                "notebook) over the shared weights; the notebook's optimizer is left as it was")
+    if on_gpu or not any(travels_shared(v) for v in tensors):
+        return own_copy
+    moved = []
+    if all(travels_shared(v) for v in tensors if v.dim() > 0):
+        for key, vs in values.items():
+            scalars = [v for v in vs if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"]
+            if any(not v.is_shared() for v in scalars):
+                for v in scalars:
+                    v.share_memory_()
+                moved.append(key)
+    shared = [k for k, vs in values.items() if all(isinstance(v, torch.Tensor) and travels_shared(v) for v in vs)]
+    own = [k for k in values if k not in shared]
+    if not own:
+        note = f"{name!r}: its state ({', '.join(shared)}) is in shared memory, so all workers update one state"
+        if moved:
+            others = [k for k in shared if k not in moved]
+            note += (f" ({', '.join(moved)} put there too, as {', '.join(others)} "
+                     f"{'is' if len(others) == 1 else 'are'})" if others else "")
+        return note
+    return (f"{name!r}: its {', '.join(shared)} {'is' if len(shared) == 1 else 'are'} in shared memory, one for "
+            f"all workers; its {', '.join(own)} {'is' if len(own) == 1 else 'are'} per worker, each its own copy")
 
 
 def match_optimizer_devices(optimizer) -> None:

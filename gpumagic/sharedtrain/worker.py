@@ -230,6 +230,18 @@ def _namespace(meta: dict, data, stand_ins: dict) -> tuple[dict, CodeType]:
     return ns, compile(meta["tree"], meta["filename"], "exec")
 
 
+def _named(ns: dict, name: str, held: dict):
+    """What ``name`` stands for in the cell: a notebook name, or an item of a notebook list or dict
+    (``opts['g']``, found through ``held``); None where the cell's namespace has no such value."""
+    if name not in held:
+        return ns.get(name)
+    container, key = held[name]
+    try:
+        return ns[container][key]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
 def train(ctx, meta: dict, data) -> None:
     """Run the cell as worker ``ctx.rank`` of ``ctx.world_size`` (the task of every Hogwild worker)."""
     rank, world = ctx.rank, ctx.world_size
@@ -245,11 +257,13 @@ def train(ctx, meta: dict, data) -> None:
     for name, reason in meta["loaders"].items():
         if isinstance(ns.get(name), DataLoader):
             ns[name] = _prepare_loader(ns[name], rank, world, meta["seed"], reason, channel)
+    held = meta.get("held") or {}
     for name in meta["optimizers"]:
-        if isinstance(ns.get(name), torch.optim.Optimizer):
-            match_optimizer_devices(ns[name])
+        optimizer = _named(ns, name, held)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            match_optimizer_devices(optimizer)
             if on_gpu:
-                private_state(ns[name])  # CUDA tensors always arrive shared; an optimizer's state must not
+                private_state(optimizer)  # CUDA tensors always arrive shared; an optimizer's state must not
     ns["rank"], ns["world_size"], ns["report"] = rank, world, channel.report
     bind_placement(ns, meta.get("placement"), meta["device"])   # the cell rewritten for CPU workers
     if meta["set_device_name"]:
@@ -266,8 +280,8 @@ def train(ctx, meta: dict, data) -> None:
         if changed:   # (this worker's copies: the kernel says the notebook's are as they were)
             ctx.send(("changed", changed))
         if rank == 0:   # what the cell set on the model besides its shared tensors (model.eval())
-            ctx.send(("settings", {n: module_settings(ns[n]) for n in meta.get("modules", [])
-                                   if isinstance(ns.get(n), torch.nn.Module)}))
+            ctx.send(("settings", {n: module_settings(_named(ns, n, held)) for n in meta.get("modules", [])
+                                   if isinstance(_named(ns, n, held), torch.nn.Module)}))
     finally:
         hook.remove()
         channel.flush()
