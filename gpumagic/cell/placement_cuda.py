@@ -87,8 +87,8 @@ def device_name(target) -> str:
     if target.type != "cpu":
         return {"mps": "Apple MPS"}.get(target.type, target.type)
     if not _cpu_name:
-        from ..devices.facts import cpu_facts
-        _cpu_name.append(str(cpu_facts()["name"]))
+        from ..devices.facts import cpu_name  # the name alone: a utilisation reading may wait 0.1 s
+        _cpu_name.append(cpu_name())
     return _cpu_name[0]
 
 
