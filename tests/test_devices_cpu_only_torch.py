@@ -103,3 +103,14 @@ def test_bare_ondevice_runs_on_the_cpu_and_errors_list_usable_devices(shell, cpu
     assert isinstance(result.error_in_exec, UsageError)
     assert str(result.error_in_exec).endswith("valid choices: cpu, meta")
     assert "z" not in shell.user_ns
+
+
+def test_sharedtrain_device_refuses_a_gpu_this_torch_cannot_use(shell, cpu_torch_machine):
+    # Before anything starts: the model stays where it was, not half moved by a torch without CUDA.
+    run_cell(shell, "import torch\nmodel = torch.nn.Linear(2, 2)\n")
+    result, out, _ = run_cell(shell, "%%sharedtrain -n 1 --device cuda:0\nmodel(torch.ones(1, 2))\n")
+    assert isinstance(result.error_in_exec, UsageError), out
+    assert str(result.error_in_exec) == ("--device cuda:0 is not usable by this torch "
+                                         f"({__import__('torch').__version__}, CUDA not built); valid choices: cpu")
+    assert shell.user_ns["model"].weight.device.type == "cpu"
+    assert not shell.user_ns["model"].weight.is_shared()

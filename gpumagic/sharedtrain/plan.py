@@ -52,6 +52,11 @@ def resolve_device(spec, modules: dict) -> tuple[str, bool]:
         if device != "cpu" and not device.startswith("cuda"):
             raise usage_error(f"--device {device}: Hogwild shares memory on the CPU or a CUDA GPU",
                               _hogwild_devices())
+        usable = _hogwild_devices()
+        if device not in usable:   # a GPU NVML sees that a torch built without CUDA cannot use
+            import torch
+            raise usage_error(f"--device {device} is not usable by this torch ({torch.__version__}, "
+                              "CUDA not built)", usable)
         return device, here != [device]
     if not here:
         return "cpu", False
