@@ -247,3 +247,22 @@ def test_a_rank_starts_from_the_notebooks_gradients_and_its_store_lets_them_go()
     assert left == [data] and len(store) == 1            # the data stays kept, the gradient is the model's now
     model(torch.ones(1, 512)).sum().backward()           # a plain process's backward adds to it
     assert torch.equal(model.weight.grad, torch.full((512, 512), 1.5))
+
+
+def test_a_compile_cell_scripts_and_traces_the_users_module(shell):
+    """--compile compiles the ranks' ``forward`` in place: ``torch.jit.trace(model, X)`` raised "using FX to
+    torch.jit.trace a dynamo-optimized function" there. Both read the module's own forward now."""
+    ns = _setup(shell)
+    reference = _one_epoch(ns)
+    dp_cell(shell, CPU2 + " --compile", """
+        for x, y in loader:
+            opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()
+        scripted = torch.jit.script(model)
+        traced = torch.jit.trace(model, X)
+        agree = [torch.allclose(m(X), model(X), atol=1e-6) for m in (scripted, traced)]
+        still_compiled = hasattr(model.module.forward, "_gpumagic_forward")
+        """)
+    assert ns["agree"] == [True, True] and ns["still_compiled"] is True
+    assert _close(ns["model"], reference)
+    assert torch.allclose(ns["scripted"](ns["X"]), reference(ns["X"]), atol=1e-5, rtol=0)
+    assert any(n.startswith("traced (torch.jit.trace(model") for n in last_result().not_returned)

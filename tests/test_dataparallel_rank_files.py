@@ -187,3 +187,46 @@ def test_a_cell_that_writes_nothing_makes_no_private_directory():
     before = _private_copies()
     with writing_once(rank=1):
         assert _private_copies() == before
+
+
+def test_a_scripted_and_an_exported_model_are_saved_once_rank_0s(shell, tmp_path):
+    """``torch.jit.save``/``torch.export.save`` write from C++, past ``open()``: every rank wrote the same
+    path before. Now the file is rank 0's, byte for byte, written once, and each rank loads its own."""
+    here = tmp_path / "here"
+    here.mkdir()
+    run_cell(shell, SETUP + f"JIT = {str(tmp_path / 'model.ts')!r}\nPT2 = {str(tmp_path / 'model.pt2')!r}\n"
+                            f"HERE = {str(here)!r}\n")
+    dp_cell(shell, "--nprocs 2", """
+import os
+import torch.distributed as dist
+for x, y in loader:
+    opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()
+mark = torch.nn.Linear(1, 1, bias=False)
+with torch.no_grad():
+    mark.weight.fill_(dist.get_rank())           # what each rank writes differs
+scripted, exported = torch.jit.script(mark), torch.export.export(mark, (torch.ones(1, 1),))
+torch.jit.save(scripted, JIT)
+torch.export.save(exported, PT2)
+if dist.get_rank() == 0:                          # the same objects saved as a plain process saves them
+    torch.jit.save.__wrapped__(scripted, os.path.join(HERE, "model.ts"))
+    torch.export.save.__wrapped__(exported, os.path.join(HERE, "model.pt2"))
+dist.barrier()                                    # rank 0 has written by now
+stamps = [None, None]
+dist.all_gather_object(stamps, (os.stat(JIT).st_mtime_ns, os.stat(PT2).st_mtime_ns))
+mine = [None, None]
+dist.all_gather_object(mine, (torch.jit.load(JIT).weight.item(),
+                              torch.export.load(PT2).module()(torch.ones(1, 1)).item()))
+""")
+    ns = shell.user_ns
+    assert ns["mine"] == [(0.0, 0.0), (1.0, 1.0)]                  # each rank read back its own save
+    assert ns["stamps"][0] == ns["stamps"][1]                       # written once: rank 1 wrote no real file
+    assert sorted(os.listdir(tmp_path)) == ["here", "model.pt2", "model.ts"]
+    # byte for byte rank 0's, as one process writes it (the archive's records are named after the file:
+    # a temporary name would show inside)
+    for name in ("model.ts", "model.pt2"):
+        assert (tmp_path / name).read_bytes() == (here / name).read_bytes(), name
+    assert torch.jit.load(str(tmp_path / "model.ts")).weight.item() == 0.0
+    assert torch.export.load(str(tmp_path / "model.pt2")).module()(torch.ones(1, 1)).item() == 0.0
+    torch.save({"w": 1}, str(here / "ckpt.pt"))
+    dp_cell(shell, "--nprocs 2", f"model.train()\ntorch.save({{'w': 1}}, {str(tmp_path / 'ckpt.pt')!r})\n")
+    assert (tmp_path / "ckpt.pt").read_bytes() == (here / "ckpt.pt").read_bytes()

@@ -216,9 +216,51 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     box.samples.append(1)          # (not compared)
     other.x = 1                    # set, unchanged
     other.y = torch.nn.Linear(1, 1)
-    changed, dropped = changed_attributes(ns, before, ["box"])
-    assert changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}}
+    changed, filled, dropped = changed_attributes(ns, before, ["box"])
+    assert changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and filled == {}
     assert dropped == ["other.y (not a plain value)"]
+
+
+def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_anew():
+    class Box:
+        pass
+    box = Box()
+    box.buf, box.rows, box.arr, box.same, box.rebound = torch.zeros(3), torch.zeros(2, 2), np.zeros(2), \
+        torch.ones(2), torch.zeros(1)
+    ns = {"box": box}
+    before = attribute_snapshot(ns, ["box"], {})
+    box.buf.add_(1)
+    box.rows[1] = torch.tensor([5.0, 6.0])
+    box.arr[0] = 7
+    box.rebound = torch.full((1,), 9.0)
+    box.new = torch.arange(2)
+    changed, filled, dropped = changed_attributes(ns, before, ["box"])
+    assert set(filled["box"]) == {"buf", "rows", "arr"}
+    assert torch.equal(filled["box"]["rows"][1], torch.tensor([5.0, 6.0]))
+    assert set(changed["box"]) == {"rebound", "new"} and dropped == []
+
+
+def test_containers_holding_objects_describe_their_new_items_by_the_old_ones():
+    from gpumagic.dataparallel.containers import apply, changes, snapshot
+    model, made = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    ns = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
+          "bag": {"model": model}, "same": {"model": model, "n": 1}}
+    kernel = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
+              "bag": {"model": model}, "same": {"model": model, "n": 1}}
+    kernel_buf = kernel["held"]["buf"]
+    before = snapshot(ns, list(ns))
+    ns["held"]["n"] = 2
+    ns["held"]["buf"].add_(1)
+    del ns["held"]["old"]
+    ns["runs"].insert(0, 0.5)
+    ns["bag"]["made"] = made
+    back, dropped = changes(ns, before)
+    assert set(back) == {"held", "runs"}
+    assert dropped and dropped[0].startswith("bag (the cell changed its items, and 'made' now holds")
+    assert apply(kernel, back) == ["held", "runs"]
+    assert kernel["held"]["n"] == 2 and kernel["held"]["model"] is model and "old" not in kernel["held"]
+    assert kernel["held"]["buf"] is kernel_buf and torch.equal(kernel_buf, torch.ones(2))
+    assert kernel["runs"] == [0.5, model, 1] and kernel["runs"][1] is model
 
 
 def test_changed_attributes_take_tensors_kept_with_their_graph():
@@ -232,7 +274,7 @@ def test_changed_attributes_take_tensors_kept_with_their_graph():
     before = attribute_snapshot(ns, ["log"], {})
     w = torch.ones(2, requires_grad=True)
     log.losses.append((w * 3).sum())
-    changed, dropped = changed_attributes(ns, before, ["log"])
+    changed, _, dropped = changed_attributes(ns, before, ["log"])
     assert dropped == [] and changed["log"]["losses"] == [torch.tensor(6.0)]
     assert not changed["log"]["losses"][0].requires_grad
 

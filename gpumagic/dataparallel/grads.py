@@ -35,7 +35,8 @@ def notebook_grads(modules: dict, fsdp: bool = False, launch: bool = False) -> d
         how = ("--strategy fsdp shards them" if fsdp else
                "in launch mode the cell's framework owns them")
         note(f"%%dataparallel: the gradients on the parameters of {names}, left by an earlier cell, are not carried "
-             f"into this one ({how}): its first backward() starts from zero, where a plain cell would add to them")
+             f"into this one ({how}): its first backward() starts from zero, where a plain cell would add to them "
+             "(the same result where the cell calls zero_grad() before its first backward())")
         return {}
     return grads
 

@@ -30,6 +30,7 @@ from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
+from .containers import snapshot as container_snapshot
 from .grads import GRADS_KEY, start_from
 from .launch import DistributionWatch, forget_kernel_process, launched
 from .mode_guard import refusing_frameworks
@@ -127,6 +128,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         if ctx.rank == 0 else {}
     # and for the notebook tensors and arrays it reaches, whose contents a function it calls may set
     meta["arrays_before"] = fingerprints(ns, meta.get("arrays", [])) if ctx.rank == 0 else {}
+    # and for its dicts and lists holding objects, whose items it may set (containers.py)
+    meta["containers_before"] = container_snapshot(ns, meta.get("containers", [])) if ctx.rank == 0 else {}
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu", master_addr=launch.get("master_addr", "127.0.0.1"),

@@ -9,7 +9,9 @@ the cell's: rank 0 writes the real files (a ``torch.save`` under a temporary nam
 that a reader never sees half of one); another rank's writes go to private copies that its own
 reads of the same path read back (a cell that reloads its best checkpoint behaves as in one
 process), removed with the cell; a copy appended to starts from the file as that rank first opens
-it.
+it. ``torch.jit.save`` and ``torch.export.save`` write their path from C++, not through ``open()``:
+they are rank 0's once too (every rank wrote the same file before, and a reader could catch one
+rank's half-written archive).
 
 Only ``open()`` calls made for the notebook's own code are redirected: by the cell or functions
 defined in the notebook, or by the data writers they call (``pathlib``'s ``write_text``,
@@ -69,14 +71,19 @@ class PrivateDirectory:
             self.path = None
 
 
+# Savers that write a path from C++ (not through ``open()``), with their loaders: (module, saver, loader).
+_SAVERS = (("torch", "save", "load"), ("torch.jit", "save", "load"), ("torch.export", "save", "load"))
+
+
 @contextlib.contextmanager
 def writing_once(rank: int):
-    """While the cell runs: ``torch.save`` to a path writes rank 0's file only (atomically), and on
-    another rank ``torch.save`` and the notebook's ``open()`` for writing go to this rank's private
-    copies, which its ``torch.load`` and ``open()`` of the same paths read. Saves to open files and
-    buffers are untouched."""
-    import torch
-    save, load, open_ = torch.save, torch.load, builtins.open
+    """While the cell runs: ``torch.save``, ``torch.jit.save`` and ``torch.export.save`` to a path write
+    rank 0's file only (atomically), and on another rank they and the notebook's ``open()`` for
+    writing go to this rank's private copies, which its ``torch.load``, ``torch.jit.load``,
+    ``torch.export.load`` and ``open()`` of the same paths read. Saves to open files and buffers are
+    untouched."""
+    import importlib
+    open_ = builtins.open
     other = rank != 0
     private = PrivateDirectory(f"gpumagic-rank{rank}-")
     copies: dict[str, str] = {}   # real path -> this rank's copy
@@ -84,43 +91,35 @@ def writing_once(rank: int):
 
     def copy_of(f, writing: bool, keep_contents: bool = False) -> str | None:
         """This rank's copy of path ``f`` (made when ``writing``, from the real file's contents when
-        ``keep_contents``), or None where it has none."""
+        ``keep_contents``), or None where it has none. It keeps the path's suffix, which
+        ``torch.export.save`` reads."""
         path = os.path.abspath(os.fspath(f))
         copy = copies.get(path)
         if copy is None and writing and other:
-            copy = copies[path] = os.path.join(private.get(), str(len(copies)))
+            copy = copies[path] = os.path.join(private.get(), f"{len(copies)}{os.path.splitext(path)[1]}")
             if keep_contents and os.path.isfile(path):
                 shutil.copyfile(path, copy)
         return copy
 
-    @functools.wraps(save)
-    def rank_save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return save(obj, f, *args, **kwargs)
-        if other:
-            if _fails_at_once(f, "w", copies, started):   # as rank 0's will: the ranks fail alike, none waits
+    def once(save):
+        @functools.wraps(save)
+        def rank_save(obj, f, *args, **kwargs):
+            if not isinstance(f, (str, os.PathLike)):
                 return save(obj, f, *args, **kwargs)
-            return save(obj, copy_of(f, writing=True), *args, **kwargs)
-        # Through a link, the file it points to (a plain save writes there; a rename would replace the
-        # link); a device or a pipe (``/dev/null``) is written as it is, never replaced.
-        path = os.path.realpath(os.fspath(f))
-        if os.path.exists(path) and not os.path.isfile(path):
-            return save(obj, f, *args, **kwargs)
-        # A name beside the target, so the rename stays on one file system (and is atomic).
-        partial = f"{path}.{os.getpid()}.partial"
-        try:
-            save(obj, partial, *args, **kwargs)
-            os.replace(partial, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            raise
+            if other:
+                if _fails_at_once(f, "w", copies, started):   # as rank 0's will: the ranks fail alike, none waits
+                    return save(obj, f, *args, **kwargs)
+                return save(obj, copy_of(f, writing=True), *args, **kwargs)
+            return _saved_whole(save, obj, f, args, kwargs)
+        return rank_save
 
-    @functools.wraps(load)
-    def rank_load(f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            f = copy_of(f, writing=False) or f
-        return load(f, *args, **kwargs)
+    def own_copy(load):
+        @functools.wraps(load)
+        def rank_load(f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                f = copy_of(f, writing=False) or f
+            return load(f, *args, **kwargs)
+        return rank_load
 
     @functools.wraps(open_)
     def rank_open(file, mode="r", *args, **kwargs):
@@ -130,16 +129,45 @@ def writing_once(rank: int):
                 file = copy_of(file, writing, keep_contents="a" in mode or "+" in mode) or file
         return open_(file, mode, *args, **kwargs)
 
-    torch.save = rank_save
-    if other:
-        torch.load = rank_load
-        builtins.open = io.open = rank_open
+    saved = []   # (module, attribute, original)
     try:
+        for module_name, save_name, load_name in _SAVERS:
+            module = importlib.import_module(module_name)
+            saved.append((module, save_name, getattr(module, save_name)))
+            setattr(module, save_name, once(getattr(module, save_name)))
+            if other:
+                saved.append((module, load_name, getattr(module, load_name)))
+                setattr(module, load_name, own_copy(getattr(module, load_name)))
+        if other:
+            builtins.open = io.open = rank_open
         yield
     finally:
-        torch.save, torch.load = save, load
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
         builtins.open = io.open = open_
         private.remove()
+
+
+def _saved_whole(save, obj, f, args, kwargs):
+    """Rank 0's save of ``obj`` to path ``f``: into a temporary directory beside it, then renamed into
+    place, so that a reader never sees half a file. Through a link, the file it points to (a plain save writes there;
+    a rename would replace the link); a device or a pipe (``/dev/null``) is written as it is."""
+    path = os.path.realpath(os.fspath(f))
+    if os.path.exists(path) and not os.path.isfile(path):
+        return save(obj, f, *args, **kwargs)
+    # In a directory beside the target, so the rename stays on one file system (and is atomic), under
+    # the target's own name: torch's savers name the archive's records after the file's name.
+    try:
+        partial_dir = tempfile.mkdtemp(prefix=".gpumagic-partial-", dir=os.path.dirname(path))
+    except OSError:   # a missing or read-only directory: the save itself fails, as in a plain cell
+        return save(obj, f, *args, **kwargs)
+    partial = os.path.join(partial_dir, os.path.basename(path))
+    try:
+        result = save(obj, partial, *args, **kwargs)
+        os.replace(partial, path)
+    finally:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+    return result
 
 
 def _fails_at_once(f, mode: str, copies: dict, started: int) -> bool:

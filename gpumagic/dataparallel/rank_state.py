@@ -18,6 +18,7 @@ from ..cell.values import detached, is_plain_value
 from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
+from .containers import changes as container_changes
 from .results import NotebookName
 from .returnable import changed_attributes, deleted_attributes
 from .scripting import scripted_results
@@ -88,7 +89,11 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
                 _add_object(state, n, v)
     for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
         state["values"][n] = detached(ns[n])
-    state["attributes"], dropped = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    state["attributes"], state["attributes_filled"], dropped = changed_attributes(
+        ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    # the notebook's dicts and lists holding objects, whose items the cell or its functions changed
+    state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}))
+    state["not_returned"] += not_back
     # ``del cfg.name``: deleted on the notebook's object too, as a plain cell would
     state["attributes_deleted"] = deleted_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
     state["not_returned"] += dropped

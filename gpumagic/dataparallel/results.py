@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..cell.module_settings import apply_settings
 from ..cell.values import equal_values, is_stateful, same_tuple_type
 from .returnable import follow_path
+from .touched import is_array
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def _load_grads(module, grads: dict) -> None:
 def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
     """Check everything first, then copy rank 0's state into the notebook's objects in place."""
     import torch
+
+    from .containers import apply as apply_containers
     problems = []
     reshaped = state.get("reshaped") or {}
     for name, module in modules.items():
@@ -156,6 +159,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     # tensor (a row and the whole) each travel alone, and copying one whole would undo the other's.
     changed = {name: _changed_items(ns.get(name), value) for name, value in state["values"].items()
                if name not in state.get("assigned", ())}
+    filled = [(target, attr, value, _changed_items(getattr(target, attr, None), value))
+              for target, attr, value in _attribute_targets(ns, state.get("attributes_filled"))]
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
@@ -179,12 +184,20 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     for name, obj in aliased.items():
         ns[name] = obj
         bound.append(name)
+    for target, attr, value, items in filled:   # (self.buf.add_(1)): the notebook's tensor takes the contents
+        if not _refill(getattr(target, attr, None), value, items):
+            logger.debug("%s.%s changed shape or dtype in place: bound to rank 0's", type(target).__name__, attr)
+            setattr(target, attr, value)
+    bound += [f"{name}.{attr}" for name, attrs in (state.get("attributes_filled") or {}).items() for attr in attrs]
     for name, attrs in (state.get("attributes") or {}).items():
         target = follow_path(ns, name)
         for attr, value in attrs.items():
-            if not _refill(getattr(target, attr, None), value):
+            # a tensor or array bound anew is rank 0's (as a plain cell binds a new one); a list or dict
+            # the cell changed, the notebook's own, refilled (other names may hold it)
+            if is_array(value) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
+    bound += apply_containers(ns, state.get("containers") or {})
     for name, attrs in (state.get("attributes_deleted") or {}).items():   # ``del cfg.name``
         target = follow_path(ns, name)
         for attr in attrs:
@@ -209,6 +222,12 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         ns[name] = copy.deepcopy(module)
         made.append(name)
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
+
+
+def _attribute_targets(ns: dict, attributes) -> list:
+    """``(object, attribute, value)`` for each of ``{path: {attribute: value}}``."""
+    return [(follow_path(ns, name), attr, value) for name, attrs in (attributes or {}).items()
+            for attr, value in attrs.items()]
 
 
 def _refill(old, value, items=None) -> bool:
@@ -264,6 +283,7 @@ def _same_array(old, value) -> bool:
         old.shape == value.shape and old.dtype == value.dtype and old.flags.writeable
 
 
+refill = _refill   # (the notebook's containers' items: containers.py)
 _MISSING = object()
 
 

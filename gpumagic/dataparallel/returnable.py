@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 
 from ..cell.values import detached, equal_values, is_plain_value
+from .touched import fingerprint, is_array
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
            "follow_path", "WATCHED_ITEMS"]
@@ -76,26 +77,38 @@ def follow_path(ns: dict, path: str):
 
 def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[str]]) -> dict:
     """Rank 0, as the cell starts: ``{path: (copies of attributes, names of all its attributes)}`` for the
-    ``watched`` objects (their public plain attributes, but long lists and dicts) and for the
+    ``watched`` objects (their public plain attributes, but long lists and dicts, and fingerprints of
+    their tensors and arrays: one pass over each one's bytes, up to 256 MB each) and for the
     attributes the cell assigns (``assigned``); paths as :func:`follow_path` reads them."""
     snapshot: dict = {}
     for name in dict.fromkeys([*watched, *assigned]):
         attrs = getattr(follow_path(ns, name), "__dict__", None)
         if not isinstance(attrs, dict):
             continue
-        kept = {k: _copied(v) for k, v in attrs.items()
-                if name in watched and not k.startswith("_") and _small(v) and is_plain_value(v)}
+        kept: dict = {}
+        if name in watched:
+            for k, v in attrs.items():
+                if k.startswith("_"):
+                    continue
+                if is_array(v):   # (0-d tensors too: changed in place or rebound, each as it happened)
+                    kept[k] = _Array(v)
+                elif _small(v) and is_plain_value(v):
+                    kept[k] = _copied(v)
         for k in assigned.get(name, []):
             v = attrs.get(k, _MISSING)
             # a plain value is copied to compare; another is compared by identity (copying may fail)
-            kept[k] = _copied(v) if _small(v) and is_plain_value(v) else _Held(v)
+            kept[k] = _Array(v) if is_array(v) else _copied(v) if _small(v) and is_plain_value(v) else _Held(v)
         snapshot[name] = (kept, set(attrs))
     return snapshot
 
 
-def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[dict, list[str]]:
-    """After the cell: ``({name: {attr: new plain value}}, not returned)`` against ``snapshot``."""
+def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[dict, dict, list[str]]:
+    """After the cell: ``({name: {attr: new value}}, {name: {attr: contents}}, not returned)`` against
+    ``snapshot``. New values are plain values, and tensors and arrays (rank 0's, bound anew); contents are
+    those of tensors and arrays the cell changed in place (``self.buf.add_(1)``, ``self.preds[i] = ...``),
+    which the notebook's own take."""
     changed: dict = {}
+    filled: dict = {}
     dropped: list[str] = []
     for name, (before, present) in snapshot.items():
         attrs = getattr(follow_path(ns, name), "__dict__", None)
@@ -106,13 +119,21 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
             keys += [k for k in attrs if k not in present and k not in before and not k.startswith("_")]
         for k in keys:
             now = attrs.get(k, _MISSING)
-            if now is _MISSING or _same(now, before.get(k, _MISSING)):
+            was = before.get(k, _MISSING)
+            if isinstance(was, _Array) and now is was.value:
+                if was.changed():
+                    filled.setdefault(name, {})[k] = detached(now)
                 continue
-            if is_plain_value(now):
+            if now is _MISSING or _same(now, was):
+                continue
+            if is_array(now) and fingerprint(now) is not None:
+                changed.setdefault(name, {})[k] = detached(now)
+            elif is_plain_value(now):
                 changed.setdefault(name, {})[k] = _copied(now)
             else:
-                dropped.append(f"{name}.{k} (not a plain value)")
-    return changed, dropped
+                dropped.append(f"{name}.{k} (not a plain value)" if not is_array(now) else
+                               f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
+    return changed, filled, dropped
 
 
 def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str, list[str]]:
@@ -127,6 +148,21 @@ def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str
         if missing:
             gone[name] = missing
     return gone
+
+
+class _Array:
+    """A tensor or array attribute as the cell started: the object, and its contents' fingerprint (None
+    where not compared: too large, or of a kind torch has no dtype for)."""
+
+    def __init__(self, value):
+        self.value = value
+        self.key = fingerprint(value)
+
+    def changed(self) -> bool:
+        return self.key is not None and fingerprint(self.value) != self.key
+
+    def __eq__(self, other):
+        return other is self.value
 
 
 class _Held:

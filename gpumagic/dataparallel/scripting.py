@@ -5,6 +5,9 @@ cannot compile; in a plain cell the same call scripts the user's module, and the
 scripted module shares its parameters. So while the cell runs, both functions
 given the wrapper act on the module inside it (:func:`scripting_users_modules`).
 
+In a ``--compile`` cell the ranks compiled the module's ``forward`` in place; scripting and
+tracing read the module with its own forwards (``torch.jit.trace`` refuses a compiled one).
+
 A scripted module runs without DDP: a training step through it has gradients no
 rank averaged, which :func:`~.wrapping.refuse_unaveraged_steps` refuses, naming
 the scripting (:func:`scripted_hint`). A module scripted in the cell comes back
@@ -36,8 +39,10 @@ def scripting_users_modules(wrappers: dict, scripted: dict) -> Iterator[None]:
         def call(obj, *args, **kwargs):
             found = by_id.get(id(obj))
             if found is None or found[1] is not obj:
-                return original(obj, *args, **kwargs)
-            result = original(obj.module, *args, **kwargs)
+                with _eager(obj):
+                    return original(obj, *args, **kwargs)
+            with _eager(obj.module):
+                result = original(obj.module, *args, **kwargs)
             scripted[id(result)] = (kind, found[0], result)
             return result
         call.__name__, call.__doc__, call.__wrapped__ = original.__name__, original.__doc__, original
@@ -49,6 +54,16 @@ def scripting_users_modules(wrappers: dict, scripted: dict) -> Iterator[None]:
     finally:
         for kind, original in originals.items():
             setattr(torch.jit, kind, original)
+
+
+def _eager(obj):
+    """``obj``'s own forwards while TorchScript reads it: ``--compile`` compiled them in place (:mod:`.warm`),
+    and ``torch.jit.trace`` refuses a dynamo-optimized function; the scripted or traced module is the
+    plain one, as in a plain cell."""
+    import torch
+
+    from .warm import forwards_set_aside
+    return forwards_set_aside([obj] if isinstance(obj, torch.nn.Module) else [])
 
 
 def scripted_hint(name: str, scripted: dict) -> str:

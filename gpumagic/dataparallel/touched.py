@@ -19,7 +19,7 @@ from ..procs.returning import RETURN_LIMIT
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_array", "fingerprints", "changed"]
+__all__ = ["is_array", "fingerprint", "fingerprints", "changed"]
 
 
 def is_array(value) -> bool:
@@ -47,7 +47,9 @@ def _as_tensor(value):
     return t if t.numel() * t.element_size() <= RETURN_LIMIT else None
 
 
-def _key(value):
+def fingerprint(value):
+    """The fingerprint of a tensor's or array's contents (dtype, shape and bytes); None for what is not
+    compared (:func:`_as_tensor`). One pass over its bytes, on its device."""
     from ..procs.tensor_cache import fingerprint_keys
     t = _as_tensor(value)
     return None if t is None else fingerprint_keys([t])[0]
@@ -59,7 +61,7 @@ def fingerprints(ns: dict, names: list[str]) -> dict:
     for name in names:
         value = ns.get(name)
         if is_array(value):
-            key = _key(value)
+            key = fingerprint(value)
             if key is not None:
                 found[name] = (value, key)
     return found
@@ -69,6 +71,6 @@ def changed(ns: dict, before: dict) -> list[str]:
     """The names of :func:`fingerprints` ``before`` whose object is still bound and whose contents changed."""
     out = []
     for name, (value, key) in before.items():
-        if ns.get(name) is value and _key(value) != key:
+        if ns.get(name) is value and fingerprint(value) != key:
             out.append(name)
     return out

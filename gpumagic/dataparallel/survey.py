@@ -1,0 +1,176 @@
+"""What a ``%%dataparallel`` cell trains and reads from the notebook, found in the kernel before anything
+starts (:func:`survey_cell`): its modules, their optimizers, the DataLoaders split across the ranks,
+stateful objects, the values that come back, and the notebook objects rank 0 compares after the cell.
+"""
+from __future__ import annotations
+
+import re
+import types
+import warnings
+from dataclasses import dataclass, field
+
+from ..cell.names import (
+    attributes_assigned,
+    calls_assigned,
+    items_assigned,
+    names_assigned,
+    names_tree,
+    notebook_names,
+    used_names,
+)
+from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
+from ..errors import usage_error
+from .containers import is_container
+from .plan import Plan
+from .returnable import WATCHED_ITEMS, watched_paths
+from .touched import is_array
+from .wrapping import CUDA_STRING
+
+__all__ = ["CellSurvey", "survey_cell", "read_names", "warn_in_cell", "item_notes"]
+
+
+@dataclass
+class CellSurvey:
+    """What a cell trains and reads from the notebook, found before anything starts."""
+    used: list            # notebook names the cell (and the notebook functions it calls) reads
+    modules: dict
+    optimizers: dict
+    loaders: dict         # name -> DataLoader, those split across the ranks
+    stateful: list        # schedulers and other objects with a state_dict
+    assigned: list
+    return_names: list    # names whose plain values come back
+    watched: list         # notebook objects of notebook classes (and those they hold, as "cfg.optim"):
+                          # their changed plain attributes come back
+    set_attributes: dict  # name or path -> attributes the cell sets on that notebook object
+    device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
+    filled: list = field(default_factory=list)         # notebook tensors and arrays whose items the cell sets
+    arrays: list = field(default_factory=list)         # the others it reaches: compared on rank 0 (touched.py)
+    containers: list = field(default_factory=list)     # dicts and lists holding objects: compared on rank 0
+    item_targets: dict = field(default_factory=dict)   # root -> (its type's name, targets set through its items)
+
+
+def read_names(tree, shell) -> list[str]:
+    """The notebook names the cell reads, and those the notebook functions it calls read."""
+    ns = shell.user_ns
+    return notebook_names(used_names(tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
+
+
+def warn_in_cell(text: str, filename: str) -> None:
+    """A warning shown against the cell (``filename``, line 1), not gpumagic's own line, each time."""
+    warnings.warn_explicit(text, UserWarning, filename, 1)
+
+
+def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] | None = None,
+                filename: str = "<cell>") -> CellSurvey:
+    """Find what the cell trains; ``UsageError`` before anything starts when it cannot run.
+
+    In launch mode the cell's framework splits the data, and the model may be made in the cell.
+    ``used``: the cell's :func:`read_names`, where the caller has them already; ``filename``: the
+    cell's, for warnings.
+    """
+    import torch
+    ns = shell.user_ns
+    used = read_names(tree, shell) if used is None else used
+    probe = names_tree(used)
+    built = _modules_built(tree, ns)
+    hint = (f" (the cell builds {', '.join(built)} itself: every rank would start from other weights, and nothing "
+            "would come back into the notebook; build it in an earlier cell and train it here)" if built else "")
+    modules = find_modules(probe if not plan.models else tree, ns, plan.models, required=not launch,
+                           hint=hint + "; or, where the cell trains through a framework that reading it did not "
+                                       "show (a Trainer, Accelerator or Fabric behind a call), run it with --launch")
+    optimizers = find_optimizers(probe, ns, modules)
+    read_loaders = find_loaders(probe, ns)
+    for name, loader in read_loaders.items():
+        if loader.batch_sampler is None and not launch:
+            raise usage_error(f"DataLoader {name!r} has batch_size=None: it cannot be split into per-rank "
+                              "batches; give it a batch_size")
+    if launch:
+        read_loaders = {}   # the framework splits them; the notebook's stay as they are
+    elif not read_loaders:
+        built = _loaders_built(tree)
+        if built:
+            warn_in_cell(f"the cell builds its DataLoader itself ({', '.join(built)}), so it is not split: every "
+                         "rank reads all of it and repeats the others' work (no speed-up). Build the DataLoader in "
+                         "an earlier cell and iterate it here, so each rank gets its share of every batch.", filename)
+        else:
+            warn_in_cell("the cell reads no DataLoader from the notebook: every rank sees the same data, so the "
+                         "ranks repeat each other's work (same result, no speed-up). Iterate a "
+                         "torch.utils.data.DataLoader made in an earlier cell to split each batch across the ranks.",
+                         filename)
+    loaders = {}   # the ones split across the ranks
+    for n, loader in read_loaders.items():
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            warn_in_cell(f"DataLoader {n!r} reads an IterableDataset: every rank reads all of it; shard it "
+                         "inside the dataset with torch.distributed.get_rank()", filename)
+        else:
+            loaders[n] = loader
+    stateful = [n for n in used if n not in modules and is_stateful(ns[n])]
+    assigned = names_assigned(tree)
+    names = list(dict.fromkeys(list(modules) + used))
+    plain_read = [n for n in names if n not in modules and is_plain_value(ns[n])]
+    trained = set(modules) | set(optimizers) | set(read_loaders)
+    others = [n for n in names if n not in trained and n not in stateful and n not in assigned
+              and not isinstance(ns[n], (types.ModuleType, type, types.FunctionType, torch.nn.Module))]
+    items = {root: targets for root, targets in items_assigned(tree).items()
+             if root in others and root not in plain_read}
+    # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
+    filled = [root for root in items if is_array(ns[root])]
+    return CellSurvey(
+        used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
+        assigned=assigned,
+        # the notebook's other objects: instances of its own classes (a LightningDataModule whose setup()
+        # sets num_classes too, though its state_dict comes back), and what the cell sets on them
+        watched=watched_paths(ns, others + stateful),
+        set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
+        return_names=[n for n in dict.fromkeys(assigned + plain_read + filled)
+                      if n not in trained and n not in stateful],
+        device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])],
+        filled=filled,
+        # set by a notebook function the cell calls (``def fill(i): preds[i] = ...``), or in place
+        arrays=[n for n in others if n not in filled and n not in plain_read and is_array(ns[n])],
+        # dicts and lists holding objects: rank 0 compares their items (containers.py)
+        containers=[n for n in others if n not in plain_read and is_container(ns[n], WATCHED_ITEMS)],
+        # ``cfgs[0].lr = 0.5``: set through an item on what may not come back (item_notes)
+        item_targets={root: (type(ns[root]).__name__, targets) for root, targets in items.items()
+                      if root not in filled})
+
+
+def _modules_built(tree, ns: dict) -> list[str]:
+    """Names the cell binds to a new ``torch.nn.Module`` (``net = nn.Sequential(...)``, ``model = Net()``),
+    where the class is the notebook's or torch's."""
+    import torch
+    built = []
+    for names, chain in calls_assigned(tree):
+        cls = ns.get(chain[0]) if chain else None
+        for attr in (chain or [])[1:]:
+            cls = getattr(cls, attr, None)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            built += names
+    return built
+
+
+def _loaders_built(tree) -> list[str]:
+    """Names the cell binds to a ``...DataLoader(...)`` call (``loader = DataLoader(ds, ...)``)."""
+    return [n for names, chain in calls_assigned(tree) if chain and chain[-1].endswith("DataLoader") for n in names]
+
+
+_ATTRIBUTE_SET = re.compile(r"\.\w+$")
+
+
+def item_notes(item_targets: dict, returned) -> list[str]:
+    """What the cell set through items of notebook objects and did not come back, for its note: all of a
+    root that did not come back; of a dict or list that did (:mod:`.containers`), the attributes set on
+    objects it holds (``held["box"].size = 3``: the box is the notebook's, unchanged by the comparison)."""
+    notes = []
+    for root, (kind, targets) in item_targets.items():
+        if root in returned:
+            targets = [t for t in targets if _ATTRIBUTE_SET.search(t)]
+            if targets:
+                notes.append(f"{', '.join(targets)} (set on {'objects' if len(targets) > 1 else 'an object'} "
+                             f"held in {root}, which does not come back; set {'them' if len(targets) > 1 else 'it'}"
+                             " in a plain cell)")
+        elif targets:
+            notes.append(f"{', '.join(targets)} (set through {'items' if len(targets) > 1 else 'an item'} of "
+                         f"{root}, a {kind} that does not come back; set {'them' if len(targets) > 1 else 'it'} "
+                         "in a plain cell)")
+    return notes

@@ -1,0 +1,126 @@
+"""%%dataparallel cells that change items and contents of notebook objects the cell does not name in an
+assignment, as a plain cell changes them (CPU, gloo, 2 ranks): tensor and array attributes of a notebook
+object changed in place by its methods, and items of notebook dicts and lists holding objects, set in
+the cell or in a notebook function it calls."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from gpumagic.dataparallel.run import last_result
+from tests.conftest import run_cell
+from tests.dataparallel_helpers import dp_cell
+
+CPU2 = "--nprocs 2"
+
+SETUP = """
+import numpy as np
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+X = torch.randn(32, 4); Y = X.sum(1, keepdim=True)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+"""
+
+
+def _setup(shell, source):
+    result, text, _ = run_cell(shell, source)
+    assert result.success, text
+    return shell.user_ns
+
+
+def _trained(ns):
+    """One epoch in this process, as a plain cell trains it."""
+    ref = copy.deepcopy(ns["model"])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in ns["loader"]:
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+    return ref
+
+
+TRAINER = SETUP + """
+class Trainer:
+    def __init__(self):
+        self.preds = torch.zeros(4, 8, 1)
+        self.buf = torch.zeros(3)
+        self.steps = torch.tensor(0)
+        self.arr = np.zeros(3)
+        self.untouched = torch.arange(3.0)
+        self.best = torch.zeros(1)
+    def run(self):
+        for i, (x, y) in enumerate(loader):
+            opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()
+            self.buf.add_(1)
+            self.steps += 1
+            self.arr[i % 3] += 1
+        with torch.no_grad():
+            for i, (x, y) in enumerate(loader):
+                self.preds[i] = model(x)
+            self.best = model(X[:1]).squeeze(0)          # bound anew: rank 0's
+trainer = Trainer()
+"""
+
+
+def test_tensor_and_array_attributes_a_method_changes_in_place_come_back_in_place(shell):
+    """``self.preds[i] = model(x)`` and ``self.buf.add_(1)`` in a notebook class's method were lost: only
+    plain attributes were compared."""
+    ns = _setup(shell, TRAINER)
+    reference = _trained(ns)
+    trainer = ns["trainer"]
+    objects = {k: getattr(trainer, k) for k in ("preds", "buf", "steps", "arr", "untouched")}
+    dp_cell(shell, CPU2, "trainer.run()\n")
+    for k, v in objects.items():                     # the same objects, as after a plain cell
+        assert getattr(trainer, k) is v, k
+    with torch.no_grad():
+        expected = reference(ns["X"]).reshape(4, 8, 1)
+        best = reference(ns["X"][:1]).squeeze(0)
+    assert torch.allclose(trainer.preds, expected, atol=1e-5, rtol=0)
+    assert torch.equal(trainer.buf, torch.full((3,), 4.0)) and int(trainer.steps) == 4
+    assert trainer.arr.tolist() == [2.0, 1.0, 1.0]
+    assert torch.equal(trainer.untouched, torch.arange(3.0))
+    assert torch.allclose(trainer.best, best, atol=1e-5, rtol=0)
+    assert all(torch.allclose(p, q, atol=1e-5, rtol=0)
+               for p, q in zip(ns["model"].state_dict().values(), reference.state_dict().values()))
+    values = last_result().values
+    assert {"trainer.preds", "trainer.buf", "trainer.arr", "trainer.best"} <= set(values)
+    assert "trainer.untouched" not in values
+
+
+CONTAINERS = SETUP + """
+held = {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}
+runs = [model, 1]
+bag = {"model": model}
+def after_step(loss):
+    held["n"] += 1
+    held["buf"].add_(1)
+    runs.append(round(loss.item(), 3))
+"""
+
+
+def test_items_set_in_a_notebook_function_come_back_as_when_set_in_the_cell(shell):
+    """``def f(): held["n"] = 2`` on a dict holding objects was lost without a word (the same line in the
+    cell was named in the note); ``runs.append(...)`` on a list holding objects was lost either way."""
+    ns = _setup(shell, CONTAINERS)
+    held, runs, buf, model = ns["held"], ns["runs"], ns["held"]["buf"], ns["model"]
+    dp_cell(shell, CPU2, """
+        for x, y in loader:
+            opt.zero_grad(); loss = ((model(x) - y) ** 2).mean(); loss.backward(); opt.step()
+            after_step(loss)
+        held["direct"] = [1, 2]
+        del held["old"]
+        bag["made"] = torch.nn.Linear(1, 1)
+        """)
+    assert ns["held"] is held and ns["runs"] is runs                # the same objects, changed in place
+    assert held["model"] is model and runs[0] is model             # holding the notebook's own model
+    assert held["n"] == 5 and held["direct"] == [1, 2] and "old" not in held
+    assert held["buf"] is buf and torch.equal(buf, torch.full((2,), 4.0))
+    assert len(runs) == 6 and runs[1] == 1 and all(isinstance(v, float) for v in runs[2:])
+    # an object made in the cell cannot come back: the note says so, and the dict is as it was
+    assert list(ns["bag"]) == ["model"]
+    assert any(n.startswith("bag (the cell changed its items") for n in last_result().not_returned)
+    assert not any(n.startswith("held") for n in last_result().not_returned)
+    assert {"held", "runs"} <= set(last_result().values)
