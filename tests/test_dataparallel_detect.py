@@ -65,6 +65,11 @@ def loop_namespace() -> dict:
     ("from lightning.fabric import Fabric\nfabric = Fabric(devices=2)",
      "the cell builds a Lightning Fabric (lightning.fabric.Fabric)"),
     ("import lightning\nfabric = lightning.Fabric()", "the cell builds a Lightning Fabric (lightning.Fabric)"),
+    # Lightning's examples start with LightningCLI, which builds the Trainer inside (args=[...] in a notebook)
+    ("from lightning.pytorch.cli import LightningCLI\ncli = LightningCLI(Model, Data, args=['fit'])",
+     "the cell builds a Lightning CLI, which builds a Lightning Trainer (lightning.pytorch.cli.LightningCLI)"),
+    ("from pytorch_lightning.cli import LightningCLI\ncli = LightningCLI(Model, args=['fit'])",
+     "the cell builds a Lightning CLI, which builds a Lightning Trainer (pytorch_lightning.cli.LightningCLI)"),
     ("from torch.nn.parallel import DistributedDataParallel as DDP\nmodel = DDP(model)",
      "the cell builds its own DistributedDataParallel (torch.nn.parallel.DistributedDataParallel)"),
     ("from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\nmodel = FSDP(model)",
@@ -79,6 +84,13 @@ def test_cell_imports_choose_launch_naming_what(cell, why):
 
 
 # --- names resolved in the notebook --------------------------------------------------------------
+
+def test_a_lightning_cli_imported_in_the_kernel_chooses_launch():
+    cli = pytest.importorskip("lightning.pytorch.cli")
+    ns = {"LightningCLI": cli.LightningCLI}
+    assert mode("cli = LightningCLI(Model, args=['fit'])", ns, ["LightningCLI"]) == (
+        "launch", "the cell builds a Lightning CLI, which builds a Lightning Trainer (LightningCLI)")
+
 
 def test_notebook_classes_match_through_their_bases():
     transformers = pytest.importorskip("transformers")

@@ -1,7 +1,7 @@
 """Which mode a ``%%dataparallel`` cell runs in: gpumagic's DDP, or launch mode for code that distributes itself.
 
 A cell that builds a Hugging Face ``Trainer``, an accelerate ``Accelerator``,
-a Lightning ``Trainer`` or ``Fabric``, its own ``DistributedDataParallel`` or
+a Lightning ``Trainer``, ``Fabric`` or ``LightningCLI``, its own ``DistributedDataParallel`` or
 FSDP, or calls ``init_process_group``, distributes by itself: wrapping its
 model and splitting its loaders as well would do the work twice. Such a cell
 runs in launch mode (:mod:`.launch`); :func:`choose_mode` says which and why.
@@ -37,6 +37,8 @@ DISTRIBUTING = (
     (("accelerate",), "Accelerator", "an accelerate Accelerator"),
     (("lightning", "pytorch_lightning"), "Trainer", "a Lightning Trainer"),
     (("lightning", "lightning_fabric"), "Fabric", "a Lightning Fabric"),
+    # builds a Lightning Trainer inside (the Lightning examples' entry point; args=[...] in a notebook)
+    (("lightning", "pytorch_lightning"), "LightningCLI", "a Lightning CLI, which builds a Lightning Trainer"),
     (("torch",), "DistributedDataParallel", "its own DistributedDataParallel"),
     (("torch",), "FullyShardedDataParallel", "FSDP"),
     (("torch",), "fully_shard", "FSDP (fully_shard)"),

@@ -19,6 +19,7 @@ Runs in the workers: no IPython.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
@@ -73,9 +74,14 @@ def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: 
     os.environ.update(env)
     forget_accelerate_state()
     run_lightning_launchers_in_place()
+    _cell_namespaces.clear()
+    _unmark_returning()
     try:
         yield
     finally:
+        for ns in _cell_namespaces:
+            _mark_returning(ns)
+        _cell_namespaces.clear()
         for k in [k for k in os.environ if k not in saved]:
             os.environ.pop(k, None)
         for k, v in saved.items():
@@ -102,22 +108,78 @@ def forget_accelerate_state() -> None:
             shared.clear()
 
 
+# The cell's namespaces seen by forget_kernel_process while launched() runs, marked as it ends.
+_cell_namespaces: list[dict] = []
+_marked: list[weakref.ref] = []   # values whose pickling _mark_returning changed, until the next cell
+
+
 def forget_kernel_process(ns: dict) -> list[str]:
     """Values made in the kernel that cached which process they were in, made to look again here.
 
     A Hugging Face ``TrainingArguments`` made in an earlier cell has worked out
     its device and accelerate's state there (one process, ``cuda:0``); in the
-    rank it must be this rank's, as if it had been made here. Call inside
-    :func:`launched`; returns the names refreshed.
+    rank it must be this rank's, as if it had been made here; a model, optimizer
+    or loader accelerate prepared there is unprepared again. Call inside
+    :func:`launched`; returns the names of the arguments refreshed. As :func:`launched` ends, the
+    other way round: those in ``ns`` go back to the kernel to be worked out there.
     """
+    _cell_namespaces.append(ns)
     refreshed = []
     for name, value in ns.items():
+        _forget_accelerate_prepared(value)
         if _is_training_arguments(value) and "_setup_devices" in vars(value):
             del value.__dict__["_setup_devices"]
             value.distributed_state = None
             value._setup_devices   # noqa: B018 - worked out again now, under this rank's environment
             refreshed.append(name)
     return refreshed
+
+
+def _forget_accelerate_prepared(value) -> None:
+    """accelerate marks what it prepared (``_is_accelerate_prepared``) and leaves it as it is when asked
+    again: a model a plain cell's ``Trainer`` or ``Accelerator`` prepared in the kernel (one process: not
+    wrapped) would train unwrapped here, each rank on its own share of the data, nothing averaged."""
+    import torch
+    objects = value.modules() if isinstance(value, torch.nn.Module) else (value,)
+    for obj in objects:
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict) and attrs.get("_is_accelerate_prepared") is True:
+            del attrs["_is_accelerate_prepared"]
+
+
+def _mark_returning(ns: dict) -> None:
+    """``TrainingArguments`` in ``ns`` pickle without what they worked out in this rank (two processes,
+    this rank's device), and work it out again as they arrive, as if made in the kernel: else a plain
+    cell's ``Trainer`` using one made in a launch cell waits for a process group the kernel has not.
+    (Worked out at once, as ``TrainingArguments()`` does: later, it would reset the state of an
+    ``Accelerator`` made already.) Set on the object, not its class, so the cell's own saves
+    (``training_args.bin``) pickle as under torchrun."""
+    for value in ns.values():
+        if _is_training_arguments(value) and "__reduce_ex__" not in vars(value):
+            value.__reduce_ex__ = functools.partial(_reduced_for_kernel, value)
+            _marked.append(weakref.ref(value))
+
+
+def _unmark_returning() -> None:
+    for ref in _marked:
+        value = ref()
+        if value is not None:
+            vars(value).pop("__reduce_ex__", None)
+    _marked.clear()
+
+
+def _reduced_for_kernel(value, protocol: int) -> tuple:
+    state = {k: v for k, v in vars(value).items() if k not in ("_setup_devices", "distributed_state", "__reduce_ex__")}
+    return _training_arguments_here, (type(value), state)
+
+
+def _training_arguments_here(cls, state: dict):
+    """A ``TrainingArguments`` as if made in this process: its device and processes worked out here."""
+    value = cls.__new__(cls)
+    value.__dict__.update(state)
+    value.distributed_state = None
+    value._setup_devices   # noqa: B018 - as TrainingArguments.__post_init__ does
+    return value
 
 
 def _is_training_arguments(value) -> bool:
