@@ -100,3 +100,17 @@ def test_items_assigned_name_the_notebook_object_reached_through_an_item():
                      "x = d['a']\nobj.parts[1].w = 3\n")
     assert items_assigned(tree) == {"held": ["held['n']"], "cfgs": ["cfgs[0].lr"], "cache": ["cache[k]"],
                                     "preds": ["preds[i:j]"], "obj": ["obj.parts[1].w"]}
+
+
+def test_names_a_function_of_the_cell_declares_global_and_binds_are_assigned():
+    src = ("def main():\n"
+           "    global ran, np, only_read\n"
+           "    import numpy as np\n"
+           "    ran = 2\n"
+           "    local = 3\n"
+           "    print(only_read)\n"
+           "    def inner():\n"
+           "        global deep\n"
+           "        deep += 1\n"
+           "main()\n")
+    assert names_assigned(ast.parse(src)) == ["main", "np", "ran", "deep"]

@@ -266,3 +266,23 @@ def test_a_compile_cell_scripts_and_traces_the_users_module(shell):
     assert _close(ns["model"], reference)
     assert torch.allclose(ns["scripted"](ns["X"]), reference(ns["X"]), atol=1e-5, rtol=0)
     assert any(n.startswith("traced (torch.jit.trace(model") for n in last_result().not_returned)
+
+
+def test_a_global_bound_by_a_function_of_the_cell_comes_back(shell):
+    # torch's DDP tutorial shape: a main() the cell defines and calls, setting a notebook global.
+    _setup(shell)
+    dp_cell(shell, CPU2, """
+        import torch.distributed as dist
+        def main():
+            global world, steps
+            world = dist.get_world_size()
+            steps = 0
+            for x, y in loader:
+                opt.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                steps += 1
+        main()
+        """)
+    # every rank steps once per global batch (each takes its half of the batch), as one process does
+    assert (shell.user_ns["world"], shell.user_ns["steps"]) == (2, 4)

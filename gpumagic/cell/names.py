@@ -56,7 +56,35 @@ def names_assigned(tree: ast.AST) -> list[str]:
                 seen.setdefault(local, None)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             seen.setdefault(node.id, None)
+    for name in _globals_bound_in_functions(tree):
+        seen.setdefault(name, None)
     return list(seen)
+
+
+def _globals_bound_in_functions(tree: ast.AST) -> list[str]:
+    """Names a function defined in the cell declares ``global`` and binds (``def main(): global ran;
+    ran = ...``): calling it binds them in the notebook's scope, as the cell's own statements do."""
+    found: dict[str, None] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = list(_top_scope(fn))
+        declared = {name for node in body if isinstance(node, ast.Global) for name in node.names}
+        if not declared:
+            continue
+        for node in body:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound = [node.id]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = [node.name]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound = [local for local, _ in import_bindings(node)]
+            else:
+                continue
+            for name in bound:
+                if name in declared:
+                    found.setdefault(name, None)
+    return list(found)
 
 
 def names_deleted(tree: ast.AST) -> list[str]:
