@@ -15,11 +15,16 @@ Lightning's notebook and spawn strategies (``"ddp_notebook"``,
 their function in place, as ``"ddp"`` does under ``torchrun``
 (:func:`run_lightning_launchers_in_place`).
 
+A rank is no notebook, so the Hugging Face Trainer would draw text bars; in a
+notebook kernel's cell rank 0 uses transformers' notebook progress table instead,
+relayed to the cell as a plain cell shows it (:func:`notebook_progress`).
+
 Runs in the workers: no IPython.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import weakref
@@ -28,8 +33,10 @@ from contextlib import contextmanager
 
 from ..procs.import_patches import patch_module
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["launched", "torchrun_environment", "run_lightning_launchers_in_place", "forget_kernel_process",
-           "forget_accelerate_state", "DistributionWatch"]
+           "forget_accelerate_state", "DistributionWatch", "notebook_progress"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -60,8 +67,11 @@ def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: s
 
 @contextmanager
 def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: bool,
-             master_addr: str = LOOPBACK, node: dict | None = None) -> Iterator[None]:
-    """The environment of a ``torchrun`` process while the block runs; the worker's own after it."""
+             master_addr: str = LOOPBACK, node: dict | None = None, notebook: bool = False) -> Iterator[None]:
+    """The environment of a ``torchrun`` process while the block runs; the worker's own after it.
+
+    ``notebook``: the kernel is a notebook's (not terminal IPython): rank 0 shows the Hugging Face
+    Trainer's notebook progress table (:func:`notebook_progress`)."""
     import torch
     env = torchrun_environment(rank, world_size, master_port, run_id, master_addr, on_cpu=on_cpu, node=node)
     # torchrun sets OMP_NUM_THREADS, and accelerate cuts torch to one thread where it is unset: give
@@ -77,8 +87,10 @@ def launched(rank: int, world_size: int, master_port: int, run_id: str, on_cpu: 
     _cell_namespaces.clear()
     _unmark_returning()
     try:
+        notebook_progress(notebook and rank == 0)
         yield
     finally:
+        notebook_progress(False)
         for ns in _cell_namespaces:
             _mark_returning(ns)
         _cell_namespaces.clear()
@@ -106,6 +118,39 @@ def forget_accelerate_state() -> None:
         shared = getattr(cls, "_shared_state", None)
         if isinstance(shared, dict):
             shared.clear()
+
+
+_notebook_progress = False            # while a launch cell runs on rank 0 of a notebook kernel
+_own_progress: dict[str, type] = {}   # transformers.trainer's own choice of progress callback
+
+
+def notebook_progress(on: bool) -> None:
+    """The Hugging Face Trainer's progress: transformers' notebook table (``on``) or its own choice again.
+
+    transformers picks its progress callback as ``transformers.trainer`` is imported, from
+    ``is_in_notebook()``, which asks IPython: false in a rank. Set now if imported (a rank that ran an
+    earlier cell), else as it is imported (the cell's first ``import transformers``); the table's
+    display and its updates reach the cell through :mod:`gpumagic.procs.display_relay`.
+    """
+    global _notebook_progress
+    _notebook_progress = on
+    patch_module("transformers.trainer", _choose_progress)
+
+
+def _choose_progress(module) -> None:
+    if not hasattr(module, "DEFAULT_PROGRESS_CALLBACK"):
+        logger.debug("transformers.trainer without DEFAULT_PROGRESS_CALLBACK: its progress is left as it is")
+        return
+    own = _own_progress.setdefault(module.__name__, module.DEFAULT_PROGRESS_CALLBACK)
+    chosen = own
+    if _notebook_progress:
+        try:
+            from transformers.utils.notebook import NotebookProgressCallback
+            chosen = NotebookProgressCallback
+        except ImportError:   # (it needs IPython): the text bars stay
+            logger.warning("transformers' notebook progress does not import; text progress bars instead",
+                           exc_info=True)
+    module.DEFAULT_PROGRESS_CALLBACK = chosen
 
 
 # The cell's namespaces seen by forget_kernel_process while launched() runs, marked as it ends.

@@ -133,7 +133,8 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
     if launch:
         with launched(ctx.rank, ctx.world_size, launch["master_port"], launch["run_id"],
                       on_cpu=device.type == "cpu", master_addr=launch.get("master_addr", "127.0.0.1"),
-                      node=getattr(ctx, "node", None)), DistributionWatch() as watch:
+                      node=getattr(ctx, "node", None), notebook=launch.get("notebook", False)), \
+                DistributionWatch() as watch:
             forget_kernel_process(ns)
             value, t_start, t_end = _execute(ctx, ns, meta, device, stats)
         gathered = watch.sharded_state(inner)

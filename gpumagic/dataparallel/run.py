@@ -196,7 +196,9 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
-        "launch": _launch_address(pool, plan) if launch else None,
+        # (notebook: the kernel shows rich output, so rank 0 draws the frameworks' notebook progress)
+        "launch": {**_launch_address(pool, plan), "notebook": getattr(shell, "kernel", None) is not None}
+        if launch else None,
         "relays": relays.found,
         "fsdp": shipment.config if shipment else None,
         "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
