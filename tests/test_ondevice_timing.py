@@ -67,3 +67,13 @@ def test_a_failed_cell_stops_collecting(shell):
     timer.close()
     timer.close()
     assert placement_cuda._watchers == []
+
+
+def test_a_cell_that_made_no_stream_leaves_no_collector(no_cuda_init):
+    # Most --time cells make no stream of their own: their empty list must go too, or every later
+    # stream is collected into it for the rest of the session.
+    timer = CellTimer("cuda:0")
+    timer._streams = watch_streams()
+    assert timer._join(FakeStream()) == 0
+    assert placement_cuda._watchers == [] and timer._streams is None
+    assert timer._join(FakeStream()) == 0       # joined once already: nothing to do

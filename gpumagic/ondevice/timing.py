@@ -151,8 +151,10 @@ class CellTimer:
     def _join(self, stream) -> int:
         """Make ``stream`` wait for the cell's own streams on the device, so the end event follows their
         work; returns how many it waits for."""
-        streams, self._streams = self._streams or [], None
-        unwatch_streams(streams)
+        streams, self._streams = self._streams, None
+        if streams is None:
+            return 0
+        unwatch_streams(streams)   # (the list itself: an empty one is still registered)
         joined = 0
         for side in streams:
             if side == stream or getattr(side, "device", None) != self.device:
