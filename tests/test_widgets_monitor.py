@@ -326,3 +326,26 @@ def test_restart_with_a_hung_reading_closes_the_gauges_and_says_so(machine, monk
     finally:
         release.set()
     assert wait_for(lambda: monitor_threads() == [])
+
+
+def test_a_hung_reading_that_fails_after_stop_leaves_the_closed_gauges_alone(notebook, machine, monkeypatch):
+    with capture_output(display=True):
+        notebook.run_line_magic("gpumem", "cuda:0 --watch --interval 0.05")
+    mon = monitor.current()
+    gauge, thread = mon.gauges["cuda:0"], mon.thread
+    entered, release = threading.Event(), threading.Event()
+
+    def hangs_then_fails(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        raise RuntimeError("the GPU is lost")
+    monkeypatch.setattr(monitor.memory, "device_memory", hangs_then_fails)
+    monkeypatch.setattr(monitor, "STOP_TIMEOUT", 0.3, raising=False)
+    try:
+        assert entered.wait(5)
+        assert _in_thread(lambda: mon.stop())[0]
+        shown = (gauge.sends, gauge.used, gauge.text.value)
+    finally:
+        release.set()          # the reading fails now, as a wedged driver's often does at last
+    assert wait_for(lambda: not thread.is_alive())
+    assert (gauge.sends, gauge.used, gauge.text.value) == shown   # no "n/a: reading failed" on a closed gauge

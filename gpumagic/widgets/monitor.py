@@ -110,6 +110,8 @@ class Monitor:
                 try:
                     mem = memory.device_memory(target, processes=self.processes)
                 except Exception as exc:  # a lost GPU must not kill the monitor
+                    if self.closed:   # a hung reading that failed after stop(): its gauges are closed
+                        return changed
                     error = f"{gauge.device}: {exc}"
                     if error not in self.errors:  # once, not at every tick while it keeps failing
                         logger.debug("reading %s failed; its gauge shows n/a", gauge.device, exc_info=True)
