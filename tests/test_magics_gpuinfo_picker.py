@@ -95,3 +95,29 @@ def test_picking_a_device_that_is_gone_shows_the_device_cells_use(notebook, monk
     finally:
         close_all_pickers()
         nvml.use(None)
+
+
+def test_a_failed_pick_shows_the_default_without_pinning_it(notebook, monkeypatch, caplog):
+    # An open picker still offering a GPU that a torch without CUDA now cannot use: the dropdown goes
+    # back to the default, and the session keeps following the default instead of a pick never made.
+    import torch
+
+    from gpumagic.devices import nvml
+    from gpumagic.widgets.picker import DevicePicker
+    from tests.fake_nvml import four_gpu_machine
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml.use(four_gpu_machine())
+    session.set_picked_device(None)
+    try:
+        picker = DevicePicker()
+        assert "cuda:1" in [v for _, v in picker.widget.options]
+        monkeypatch.setattr(torch.version, "cuda", None)
+        monkeypatch.setattr(torch.version, "hip", None)
+        picker.value = "cuda:1"
+        assert picker.value == "cpu" and session.picked_device() is None
+        assert "could not pick cuda:1" in caplog.text
+    finally:
+        close_all_pickers()
+        nvml.use(None)
+        session.set_picked_device(None)

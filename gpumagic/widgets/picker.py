@@ -89,6 +89,7 @@ class DevicePicker:
             layout=w.Layout(width="max-content"),
         )
         self.widget.add_class("gpumagic-device-picker")
+        self._reverting = False
         self.widget.observe(self._on_pick, names="value")
         self._unlisten = session.on_device_change(self._on_session_change)
         _open.add(self)
@@ -102,15 +103,20 @@ class DevicePicker:
         self.widget.value = device
 
     def _on_pick(self, change) -> None:
-        if change["new"] == session.picked_device():
+        if self._reverting or change["new"] == session.picked_device():
             return
         try:
             devices.set_current_device(change["new"])
         except UsageError as exc:
             # A device that is gone (the "not visible now" entry): cells stay on the session's
-            # device, so the dropdown goes back to showing it instead of a device no cell uses.
+            # device, so the dropdown goes back to showing it instead of a device no cell uses,
+            # without that showing counting as a pick (the session keeps following the default).
             logger.warning("the device picker could not pick %s: %s", change["new"], exc)
-            self.widget.value = devices.default_device()
+            self._reverting = True
+            try:
+                self.widget.value = devices.default_device()
+            finally:
+                self._reverting = False
 
     def _on_session_change(self, device) -> None:
         target = device or devices.default_device()
