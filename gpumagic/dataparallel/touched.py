@@ -39,6 +39,8 @@ def _as_tensor(value):
             return None
     else:
         import numpy
+        if value.dtype.hasobject or value.nbytes > RETURN_LIMIT:   # before any copy of a strided one
+            return None
         try:
             t = torch.from_numpy(numpy.ascontiguousarray(value))
         except TypeError:   # object, string, datetime arrays: not compared
@@ -47,12 +49,25 @@ def _as_tensor(value):
     return t if t.numel() * t.element_size() <= RETURN_LIMIT else None
 
 
+# Tensors larger than this (a dataset the cell reads) are judged by torch's version counter, which
+# every in-place operation advances, instead of a pass over their bytes before and after each cell
+# (about a second per GB on rank 0, on the way to the first step). Writes through ``.data`` or
+# ``.numpy()`` do not advance it: for those, only tensors up to this size are seen.
+READ_WHOLE_BYTES = 16 << 20
+
+
 def fingerprint(value):
-    """The fingerprint of a tensor's or array's contents (dtype, shape and bytes); None for what is not
-    compared (:func:`_as_tensor`). One pass over its bytes, on its device."""
+    """The fingerprint of a tensor's or array's contents (dtype, shape and bytes, or a large tensor's
+    version counter); None for what is not compared (:func:`_as_tensor`)."""
     from ..procs.tensor_cache import fingerprint_keys
     t = _as_tensor(value)
-    return None if t is None else fingerprint_keys([t])[0]
+    if t is None:
+        return None
+    import torch
+    if isinstance(value, torch.Tensor) and t.numel() * t.element_size() > READ_WHOLE_BYTES \
+            and not t.is_inference():
+        return ("version", str(t.dtype), tuple(t.shape), value._version)   # (detach() shares the counter)
+    return fingerprint_keys([t])[0]
 
 
 def fingerprints(ns: dict, names: list[str]) -> dict:
