@@ -103,3 +103,62 @@ for x, y in loader:
     assert "loader (holds a DataLoader" in cap.stderr
     assert ns["loader"] is loader and ns["opt"] is opt and ns["net"] is net
     assert "accelerator" not in ns
+
+
+SPLIT = """\
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset, random_split
+torch.manual_seed(0)
+X = torch.randn(64, 8)
+Y = X.sum(1, keepdim=True)
+full = TensorDataset(X, Y)
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+class Data(L.LightningDataModule):
+    def setup(self, stage):                       # Lightning's MNIST pattern
+        self.train_set, self.val_set = random_split(full, [48, 16], generator=torch.Generator().manual_seed(1))
+        own = TensorDataset(X * 2, Y)             # made here: both splits share it, over the notebook's Y
+        self.small_train, self.small_val = random_split(own, [60, 4], generator=torch.Generator().manual_seed(2))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=8)
+
+lit, dm = Regressor(), Data()
+"""
+
+
+def test_datasets_a_datamodule_sets_in_setup_come_back_over_the_notebooks_dataset(shell):
+    """``self.train_set, self.val_set = random_split(full, ...)`` in a DataModule's ``setup()``: a plain
+    cell leaves them set; launch mode left them out ("dm.train_set (not a plain value)")."""
+    result, text, _ = run_cell(shell, SPLIT)
+    assert result.success, text
+    ns = shell.user_ns
+    from torch.utils.data import Subset, random_split
+    dp_cell(shell, CPU2, """\
+trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                    enable_model_summary=False, enable_progress_bar=False)
+trainer.fit(lit, datamodule=dm)
+""")
+    dm, full = ns["dm"], ns["full"]
+    import torch
+    train, val = random_split(full, [48, 16], generator=torch.Generator().manual_seed(1))   # as a plain cell
+    assert isinstance(dm.train_set, Subset) and isinstance(dm.val_set, Subset)
+    assert dm.train_set.dataset is full and dm.val_set.dataset is full      # the notebook's, not a copy
+    assert list(dm.train_set.indices) == list(train.indices) and list(dm.val_set.indices) == list(val.indices)
+    own = dm.small_train.dataset
+    assert dm.small_val.dataset is own and own.tensors[1] is ns["Y"]
+    assert torch.equal(own.tensors[0], ns["X"] * 2)
+    assert len(dm.small_train) == 60 and len(dm.small_val) == 4
+    from gpumagic.dataparallel.run import last_result
+    assert not any(n.startswith(("dm.train_set", "dm.val_set", "dm.small")) for n in last_result().not_returned)

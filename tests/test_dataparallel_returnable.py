@@ -216,9 +216,9 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     box.samples.append(1)          # (not compared)
     other.x = 1                    # set, unchanged
     other.y = torch.nn.Linear(1, 1)
-    changed, filled, dropped = changed_attributes(ns, before, ["box"])
-    assert changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and filled == {}
-    assert dropped == ["other.y (not a plain value)"]
+    out = changed_attributes(ns, before, ["box"])
+    assert out.changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and out.filled == {}
+    assert out.dropped == ["other.y (not a plain value)"]
 
 
 def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_anew():
@@ -234,10 +234,10 @@ def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_ane
     box.arr[0] = 7
     box.rebound = torch.full((1,), 9.0)
     box.new = torch.arange(2)
-    changed, filled, dropped = changed_attributes(ns, before, ["box"])
-    assert set(filled["box"]) == {"buf", "rows", "arr"}
-    assert torch.equal(filled["box"]["rows"][1], torch.tensor([5.0, 6.0]))
-    assert set(changed["box"]) == {"rebound", "new"} and dropped == []
+    out = changed_attributes(ns, before, ["box"])
+    assert set(out.filled["box"]) == {"buf", "rows", "arr"}
+    assert torch.equal(out.filled["box"]["rows"][1], torch.tensor([5.0, 6.0]))
+    assert set(out.changed["box"]) == {"rebound", "new"} and out.dropped == []
 
 
 def test_containers_holding_objects_describe_their_new_items_by_the_old_ones():
@@ -274,9 +274,9 @@ def test_changed_attributes_take_tensors_kept_with_their_graph():
     before = attribute_snapshot(ns, ["log"], {})
     w = torch.ones(2, requires_grad=True)
     log.losses.append((w * 3).sum())
-    changed, _, dropped = changed_attributes(ns, before, ["log"])
-    assert dropped == [] and changed["log"]["losses"] == [torch.tensor(6.0)]
-    assert not changed["log"]["losses"][0].requires_grad
+    out = changed_attributes(ns, before, ["log"])
+    assert out.dropped == [] and out.changed["log"]["losses"] == [torch.tensor(6.0)]
+    assert not out.changed["log"]["losses"][0].requires_grad
 
 
 def test_module_settings_carry_what_a_module_collects_into_the_same_list():
@@ -289,3 +289,97 @@ def test_module_settings_carry_what_a_module_collects_into_the_same_list():
     apply_settings(notebook, settings)
     assert notebook.losses is kept and kept == [torch.tensor(2.0)] and not kept[0].requires_grad
     assert notebook[0].history == {"epoch": [1, 2]}
+
+
+def test_lists_and_dicts_of_tensors_on_notebook_objects_are_described_by_their_items():
+    """``self.outs.append(model(x).detach())`` on a notebook object: the list was "not a plain value" and
+    stayed empty in the notebook."""
+    from gpumagic.dataparallel.containers import Room
+    from gpumagic.dataparallel.results import _apply_items
+
+    class Box:
+        pass
+
+    def boxes():
+        box = Box()
+        box.outs, box.held, box.by_key, box.made, box.rebound = [], [torch.zeros(2)], {}, [], []
+        return box
+    rank, kernel = boxes(), boxes()
+    kernel_outs, kernel_held, kernel_first = kernel.outs, kernel.held, kernel.held[0]
+    ns = {"box": rank}
+    before = attribute_snapshot(ns, ["box"], {})
+    rank.outs.append(torch.ones(2, 3, requires_grad=True) * 2)
+    rank.held[0].add_(1)
+    rank.held.append(torch.full((1,), 7.0))
+    rank.by_key["a"] = torch.arange(3)
+    rank.made.append(torch.nn.Linear(1, 1))           # an object made in the cell: not a copy in the notebook
+    rank.rebound = [torch.zeros(1)]                   # bound anew: a new list in the notebook too
+    out = changed_attributes(ns, before, ["box"])
+    assert set(out.items["box"]) == {"outs", "held", "by_key", "rebound"}
+    assert out.dropped == ["box.made (holds objects that are not plain values, tensors or arrays)"]
+    assert _apply_items({"box": kernel}, out.items) == ["box.outs", "box.held", "box.by_key", "box.rebound"]
+    assert kernel.outs is kernel_outs and torch.equal(kernel_outs[0], torch.full((2, 3), 2.0))
+    assert not kernel_outs[0].requires_grad
+    assert kernel.held is kernel_held and kernel_held[0] is kernel_first      # the notebook's tensor, filled
+    assert torch.equal(kernel_first, torch.ones(2)) and torch.equal(kernel_held[1], torch.full((1,), 7.0))
+    assert torch.equal(kernel.by_key["a"], torch.arange(3)) and kernel.made == []
+    assert kernel.rebound is not kernel_outs and torch.equal(kernel.rebound[0], torch.zeros(1))
+
+    # the tensors of one cell's lists share what a cell brings back
+    rank = boxes()
+    before = attribute_snapshot({"box": rank}, ["box"], {})
+    rank.outs += [torch.zeros(64), torch.zeros(64)]
+    out = changed_attributes({"box": rank}, before, ["box"], room=Room(300))
+    assert "outs" not in out.items.get("box", {})
+    assert out.dropped == ["box.outs (its tensors are larger than the 0 MB a cell brings back; save them from the "
+                           "cell)"]
+
+
+def test_datasets_set_on_notebook_objects_come_back_holding_the_notebooks_own():
+    """A DataModule's ``self.train_set, self.val_set = random_split(full, ...)``: rank 0's Subsets come back
+    over the notebook's ``full`` (not a copy); what cannot be pickled keeps its note."""
+    import threading
+
+    from torch.utils.data import Dataset, Subset, TensorDataset, random_split
+
+    from gpumagic.dataparallel.by_reference import loaded, notebook_objects, resolved
+    from gpumagic.dataparallel.containers import Room
+    from gpumagic.dataparallel.rank_state import _datasets
+
+    class Data:
+        pass
+
+    class Locked(Dataset):
+        def __init__(self):
+            self.lock = threading.Lock()
+
+    X = torch.arange(10.0)
+    rank_full, kernel_full = TensorDataset(X), TensorDataset(X.clone())
+    rank_dm, kernel_dm = Data(), Data()
+    rank_dm.source = rank_full
+    kernel_dm.source = kernel_full
+    ns = {"full": rank_full, "dm": rank_dm, "n": 3}
+    before = attribute_snapshot(ns, ["dm"], {})
+    refs = notebook_objects(ns, [], before)
+    assert refs[id(rank_full)][0] == "full"          # by its own name, before dm.source
+    rank_dm.train_set, rank_dm.val_set = random_split(rank_full, [7, 3], generator=torch.Generator().manual_seed(0))
+    own = TensorDataset(torch.ones(2))
+    rank_dm.a, rank_dm.b = Subset(own, [0]), Subset(own, [1])
+    out = changed_attributes(ns, before, ["dm"])
+    assert set(out.datasets["dm"]) == {"train_set", "val_set", "a", "b"} and out.dropped == []
+    state: dict = {"not_returned": []}
+    blob, paths, names = _datasets(state, out.datasets, refs, Room())
+    assert paths == ["full"] and state["not_returned"] == []
+    got = loaded(blob, resolved(paths, {"full": kernel_full, "dm": kernel_dm}))["dm"]
+    assert got["train_set"].dataset is kernel_full and got["val_set"].dataset is kernel_full
+    assert list(got["train_set"].indices) == list(rank_dm.train_set.indices)
+    assert got["a"].dataset is got["b"].dataset and torch.equal(got["a"].dataset.tensors[0], torch.ones(2))
+
+    rank_dm.locked = Locked()
+    out = changed_attributes(ns, before, ["dm"])
+    state = {"not_returned": []}
+    assert _datasets(state, {"dm": {"locked": rank_dm.locked}}, refs, Room()) is None
+    assert state["not_returned"][0].startswith("dm.locked (Locked: TypeError: cannot pickle")
+    state = {"not_returned": []}
+    assert _datasets(state, {"dm": {"a": rank_dm.a}}, refs, Room(10)) is None
+    assert "larger than the 0 MB a cell brings back" in state["not_returned"][0]

@@ -13,10 +13,14 @@ contents in terms of the old items (:func:`apply` rebuilds them from the noteboo
 * a tensor or numpy array changed in place (``held["buf"].add_(1)``): rank 0's contents, written
   into the notebook's item (``("filled", key, v)``); a new one: rank 0's, on the CPU.
 
-A container that came to hold anything else (a new object: it would be a copy) does not come
-back; the cell's note names it. Cost: one pass over each container's items before and after the
-cell on rank 0 (containers of at most :data:`~.returnable.WATCHED_ITEMS` items), copies of its
-plain items, and a fingerprint of each tensor or array item (:mod:`.touched`).
+A container that came to hold anything else (a new object: it would be a copy), or new tensors
+beyond what one cell brings back, does not come back; the cell's note names it. Lists and dicts
+held as attributes of notebook objects (``self.outs.append(out.detach())``) are described the same
+way (:mod:`.returnable`), and so is a notebook list of plain values the cell filled with tensors
+(``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
+container's items before and after the cell on rank 0 (containers of at most
+:data:`~.returnable.WATCHED_ITEMS` items), copies of its plain items, and a fingerprint of each
+tensor or array item (:mod:`.touched`).
 
 Runs in the workers (:func:`snapshot`, :func:`changes`) and in the kernel (:func:`apply`).
 """
@@ -26,11 +30,13 @@ import copy
 import logging
 
 from ..cell.values import detached, equal_values, is_plain_value
+from ..procs.returning import RETURN_LIMIT
 from .touched import fingerprint, is_array
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["snapshot", "changes", "apply", "is_container"]
+__all__ = ["snapshot", "changes", "apply", "is_container", "records_of", "describe", "rebuilt", "made_in_cell",
+           "array_bytes", "Room", "grown"]
 
 _PLAIN, _ARRAY, _OBJECT = "plain", "array", "object"
 
@@ -58,51 +64,122 @@ def _record(item):
 
 def snapshot(ns: dict, names: list[str]) -> dict:
     """Rank 0, as the cell starts: ``{name: (container, {key: record})}``."""
-    return {n: (ns[n], {k: _record(v) for k, v in _items(ns[n])}) for n in names if n in ns}
+    return {n: (ns[n], records_of(ns[n])) for n in names if n in ns}
 
 
-def changes(ns: dict, before: dict) -> tuple[dict, list[str]]:
+def changes(ns: dict, before: dict, room: Room | None = None) -> tuple[dict, list[str]]:
     """After the cell: ``({name: new contents}, not returned)``. New contents: a list of entries (a list)
-    or a list of ``(key, entry)`` (a dict); entries as the module says."""
+    or a list of ``(key, entry)`` (a dict); entries as the module says. ``room``: the bytes of tensors
+    they may bring back, shared with the cell's other containers."""
+    room = room or Room()
     back: dict = {}
     dropped: list[str] = []
     for name, (container, records) in before.items():
         if ns.get(name) is not container:
             continue   # rebound by the cell: it comes back as an assigned name
-        # (plain values are compared by value: small numbers are one object wherever they are)
-        by_id = {id(r[0]): k for k, r in records.items() if r[1] != _PLAIN}
-        entries: list = []
-        foreign: list[str] = []
-        changed = len(ns[name]) != len(records)
-        for key, item in _items(container):
-            before_here = records.get(key)
-            if is_plain_value(item) and not is_array(item):
-                entry: tuple = ("value", detached(item))
-                changed = changed or not (before_here is not None and before_here[1] == _PLAIN
-                                          and equal_values(detached(item), before_here[2]))
-            elif id(item) in by_id:
-                old_key = by_id[id(item)]
-                changed = changed or old_key != key
-                if records[old_key][1] == _ARRAY and fingerprint(item) != records[old_key][2]:
-                    entry, changed = ("filled", old_key, detached(item)), True
-                else:
-                    entry = ("old", old_key)
-            elif is_array(item) and fingerprint(item) is not None:
-                entry, changed = ("value", detached(item)), True
-            else:
-                changed = True
-                foreign.append(repr(key))
-                continue
-            entries.append(entry if isinstance(container, list) else (key, entry))
+        entries, changed, foreign = describe(container, records)
         if not changed:
             continue
         if foreign:
-            dropped.append(f"{name} (the cell changed its items, and {', '.join(foreign[:3])} now "
-                           f"hold{'s' if len(foreign) == 1 else ''} an object made in the cell, which does not "
-                           "come back; change it in a plain cell)")
-        else:
+            dropped.append(f"{name} ({made_in_cell(foreign)}, so {name} is left as it was; change it in a plain "
+                           "cell)")
+        elif room.take(array_bytes(entries, type(container))):
             back[name] = entries
+        else:
+            dropped.append(f"{name} ({room.too_large}, so {name} is left as it was)")
     return back, dropped
+
+
+def grown(ns: dict, names: list[str], room: Room) -> tuple[dict, list[str]]:
+    """After the cell: notebook lists and dicts of plain values as it started (``outs = []``) that the cell
+    filled with tensors or arrays in place (``outs.append(model(x).detach())``), as :func:`changes`
+    answers; those holding other objects are named."""
+    back: dict = {}
+    dropped: list[str] = []
+    for name in names:
+        container = ns[name]
+        entries, _, foreign = describe(container, {})
+        if foreign:
+            dropped.append(f"{name} (holds objects that are not plain values, tensors or arrays, so {name} is left "
+                           "as it was)")
+        elif room.take(array_bytes(entries, type(container))):
+            back[name] = entries
+        else:
+            dropped.append(f"{name} ({room.too_large}, so {name} is left as it was)")
+    return back, dropped
+
+
+class Room:
+    """What is left of the bytes of tensors and arrays one cell's containers bring back
+    (:data:`~gpumagic.procs.returning.RETURN_LIMIT`, as for the objects it binds)."""
+
+    def __init__(self, limit: int = RETURN_LIMIT):
+        self.left = limit
+        self.too_large = f"its tensors are larger than the {limit >> 20} MB a cell brings back; save them from the cell"
+
+    def take(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit; taken from what is left where they do."""
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def records_of(container) -> dict:
+    """``{key: record}`` of a dict's or list's items, to compare after the cell (:func:`describe`)."""
+    return {k: _record(v) for k, v in _items(container)}
+
+
+def describe(container, records: dict) -> tuple[list, bool, list[str]]:
+    """``container``'s contents in terms of the items ``records`` kept (``{}``: a container new to the
+    notebook): ``(entries, changed, keys holding an object made in the cell)``; entries as the module
+    says, ``(key, entry)`` for a dict."""
+    # (plain values are compared by value: small numbers are one object wherever they are)
+    by_id = {id(r[0]): k for k, r in records.items() if r[1] != _PLAIN}
+    entries: list = []
+    foreign: list[str] = []
+    changed = len(container) != len(records)
+    for key, item in _items(container):
+        before_here = records.get(key)
+        if is_plain_value(item) and not is_array(item):
+            entry: tuple = ("value", detached(item))
+            changed = changed or not (before_here is not None and before_here[1] == _PLAIN
+                                      and equal_values(detached(item), before_here[2]))
+        elif id(item) in by_id:
+            old_key = by_id[id(item)]
+            changed = changed or old_key != key
+            if records[old_key][1] == _ARRAY and fingerprint(item) != records[old_key][2]:
+                entry, changed = ("filled", old_key, detached(item)), True
+            else:
+                entry = ("old", old_key)
+        elif is_array(item) and fingerprint(item) is not None:
+            entry, changed = ("value", detached(item)), True
+        else:
+            changed = True
+            foreign.append(repr(key))
+            continue
+        entries.append(entry if isinstance(container, list) else (key, entry))
+    return entries, changed, foreign
+
+
+def made_in_cell(keys: list[str]) -> str:
+    """The note's words for a container whose ``keys`` hold objects made in the cell."""
+    return (f"the cell changed its items, and {', '.join(keys[:3])}{' and more' if len(keys) > 3 else ''} now "
+            f"hold{'s' if len(keys) == 1 else ''} an object made in the cell, which does not come back")
+
+
+def array_bytes(entries: list, kind: type) -> int:
+    """Bytes of the tensors and arrays rank 0 sends for a ``kind`` (list or dict) of ``entries``: new
+    ones, and contents filled into the notebook's."""
+    plain = entries if kind is list else [e for _, e in entries]
+    return sum(e[-1].nbytes for e in plain if e[0] in ("value", "filled") and is_array(e[-1]))
+
+
+def rebuilt(old, kind: type, entries: list):
+    """A new ``kind`` (list or dict) of ``entries``, their old items taken from the notebook's ``old``."""
+    if kind is list:
+        return [_item(old, e) for e in entries]
+    return {k: _item(old, e) for k, e in entries}
 
 
 def apply(ns: dict, contents: dict) -> list[str]:
@@ -111,16 +188,20 @@ def apply(ns: dict, contents: dict) -> list[str]:
     done = []
     for name, entries in contents.items():
         container = ns.get(name)
-        if isinstance(container, list) and type(container) is list:
-            container[:] = [_item(container, e) for e in entries]
-        elif isinstance(container, dict) and type(container) is dict:
-            new = {k: _item(container, e) for k, e in entries}
-            container.clear()
-            container.update(new)
-        else:
+        if type(container) not in (list, dict):
             continue
+        refill_container(container, rebuilt(container, type(container), entries))
         done.append(name)
     return done
+
+
+def refill_container(container, new) -> None:
+    """The notebook's list or dict takes ``new``'s items, staying the same object."""
+    if isinstance(container, list):
+        container[:] = new
+    else:
+        container.clear()
+        container.update(new)
 
 
 def _item(container, entry):

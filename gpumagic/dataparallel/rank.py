@@ -30,6 +30,7 @@ from ..procs.relays import rank_relays
 from ..procs.seeding import seed_all
 from ..procs.tensor_cache import TensorStore
 from ..procs.wire import unpack_namespace
+from .by_reference import notebook_objects
 from .containers import snapshot as container_snapshot
 from .grads import GRADS_KEY, start_from
 from .launch import DistributionWatch, forget_kernel_process, launched
@@ -125,6 +126,9 @@ def _run_cell(ctx, meta: dict, data, store: TensorStore):
         if ctx.rank == 0 else {}
     # and for names the cell binds to the notebook's own objects (alias = args): held, so ids stay theirs
     meta["objects_before"] = {id(v): (k, v) for k, v in ns.items() if not k.startswith("__")} \
+        if ctx.rank == 0 else {}
+    # and for the notebook's datasets and tensors, which datasets the cell sets on its objects may hold
+    meta["notebook_objects"] = notebook_objects(ns, meta["assigned"], meta["attributes_before"]) \
         if ctx.rank == 0 else {}
     # and for the notebook tensors and arrays it reaches, whose contents a function it calls may set
     meta["arrays_before"] = fingerprints(ns, meta.get("arrays", [])) if ctx.rank == 0 else {}

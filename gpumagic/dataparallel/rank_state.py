@@ -18,7 +18,10 @@ from ..cell.values import detached, is_plain_value
 from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
+from .by_reference import pickled
+from .containers import Room
 from .containers import changes as container_changes
+from .containers import grown as grown_containers
 from .results import NotebookName
 from .returnable import changed_attributes, deleted_attributes
 from .scripting import scripted_results
@@ -72,6 +75,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     # torch.jit.script(model) in the cell: the kernel scripts the notebook's model again
     state["scripted"], traced = scripted_results(ns, meta["return_names"], meta.get("scripted", {}))
     state["not_returned"] += list(traced.values())
+    grew: list[str] = []
     for n in meta["return_names"]:
         if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced:
             continue
@@ -87,17 +91,42 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
                 _add_object(state, n, v)
+        elif n not in meta["assigned"] and type(v) in (list, dict):
+            grew.append(n)   # a notebook list of plain values the cell appended tensors to (containers.grown)
     for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
         state["values"][n] = detached(ns[n])
-    state["attributes"], state["attributes_filled"], dropped = changed_attributes(
-        ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    # tensors in lists and dicts, and datasets, share what one cell brings back with the objects above
+    room = Room(RETURN_LIMIT - sum(len(b) for b in state["objects"].values()))
+    attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room)
+    state["attributes"], state["attributes_filled"] = attributes.changed, attributes.filled
+    state["attribute_items"] = attributes.items
     # the notebook's dicts and lists holding objects, whose items the cell or its functions changed
-    state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}))
+    state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}), room)
     state["not_returned"] += not_back
+    filled_lists, not_back = grown_containers(ns, grew, room)
+    state["containers"].update(filled_lists)
+    state["not_returned"] += not_back
+    state["attribute_objects"] = _datasets(state, attributes.datasets, meta.get("notebook_objects", {}), room)
     # ``del cfg.name``: deleted on the notebook's object too, as a plain cell would
     state["attributes_deleted"] = deleted_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
-    state["not_returned"] += dropped
+    state["not_returned"] += attributes.dropped
     return state
+
+
+def _datasets(state: dict, datasets: dict, refs: dict, room: Room) -> tuple | None:
+    """The torch Datasets the cell set on the notebook's objects (``{path: {attribute: dataset}}``),
+    pickled together (two Subsets of one dataset share it), the notebook's own datasets and tensors by
+    name; ``(blob, paths, their paths)``, or None with the note naming them where they cannot come back."""
+    if not datasets:
+        return None
+    try:
+        blob, paths = pickled(datasets, refs, limit=room.left)
+    except NotReturnable as exc:
+        state["not_returned"] += [f"{name}.{k} ({type(v).__name__}: {exc})" for name, attrs in datasets.items()
+                                  for k, v in attrs.items()]
+        return None
+    room.take(len(blob))
+    return blob, paths, [f"{name}.{k}" for name, attrs in datasets.items() for k in attrs]
 
 
 def _aliases(ns: dict, meta: dict) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
 from ..cell.values import equal_values, is_stateful, same_tuple_type
+from .by_reference import loaded, resolved
 from .returnable import follow_path
 from .touched import is_array
 
@@ -139,6 +140,9 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 _load_grads(module, state["grads"][name])
     # the notebook's objects the cell bound other names to, taken before any name is bound anew
     aliased = {n: ns[other] for n, other in (state.get("aliases") or {}).items() if other in ns}
+    # and the notebook's datasets and tensors that datasets the cell set on its objects hold (by_reference.py)
+    datasets = state.get("attribute_objects")
+    referenced = resolved(datasets[1], ns) if datasets else {}
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
@@ -197,7 +201,10 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             if is_array(value) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
+    bound += _apply_items(ns, state.get("attribute_items") or {})
     bound += apply_containers(ns, state.get("containers") or {})
+    if datasets:
+        bound += _set_datasets(ns, datasets, referenced, not_loaded)
     for name, attrs in (state.get("attributes_deleted") or {}).items():   # ``del cfg.name``
         target = follow_path(ns, name)
         for attr in attrs:
@@ -222,6 +229,43 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         ns[name] = copy.deepcopy(module)
         made.append(name)
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
+
+
+def _apply_items(ns: dict, items: dict) -> list[str]:
+    """Lists and dicts of tensors the cell changed on the notebook's objects (``self.outs.append(...)``):
+    rebuilt from their entries (:func:`~.containers.describe`), the notebook's own list refilled where
+    the cell kept it, a new one bound where the cell bound one."""
+    from .containers import rebuilt, refill_container
+    done = []
+    for name, attrs in items.items():
+        target = follow_path(ns, name)
+        for attr, (same, kind, entries) in attrs.items():
+            old = getattr(target, attr, None)
+            new = rebuilt(old, list if kind == "list" else dict, entries)
+            if same and type(old) is type(new):
+                refill_container(old, new)
+            else:
+                setattr(target, attr, new)
+            done.append(f"{name}.{attr}")
+    return done
+
+
+def _set_datasets(ns: dict, datasets: tuple, referenced: dict, not_loaded: list[str]) -> list[str]:
+    """The datasets the cell set on the notebook's objects (rank_state's ``(blob, paths, names)``),
+    holding the notebook's own where they did; what cannot be unpickled here is named in ``not_loaded``."""
+    try:
+        found = loaded(datasets[0], referenced)
+    except Exception as exc:   # named in the cell's note, with the reason
+        logger.debug("%s could not be unpickled in the kernel", datasets[2], exc_info=True)
+        not_loaded += [f"{name} ({type(exc).__name__}: {exc})" for name in datasets[2]]
+        return []
+    done = []
+    for name, attrs in found.items():
+        target = follow_path(ns, name)
+        for attr, value in attrs.items():
+            setattr(target, attr, value)
+            done.append(f"{name}.{attr}")
+    return done
 
 
 def _attribute_targets(ns: dict, attributes) -> list:

@@ -12,7 +12,10 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
   (``argparse.Namespace``, ``SimpleNamespace``), and on such objects they hold, any public attribute
   that changed, as a callback appending to ``self.losses`` or a notebook function setting
   ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell,
-  and those the cell deleted (``del cfg.name``) are deleted there;
+  and those the cell deleted (``del cfg.name``) are deleted there; lists and dicts of tensors
+  (``self.outs.append(model(x).detach())``) take rank 0's tensors, on the CPU (:mod:`.containers`),
+  and torch Datasets (a DataModule's ``self.train_set``) come back pickled, holding the notebook's
+  own datasets and tensors where they did (:mod:`.by_reference`);
 * **names bound to the notebook's own objects** (``alias = args``): bound to the same object.
 
 In a notebook::
@@ -25,12 +28,14 @@ In a notebook::
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 from ..cell.values import detached, equal_values, is_plain_value
+from .containers import Room, array_bytes, describe, is_container, made_in_cell, records_of
 from .touched import fingerprint, is_array
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
-           "follow_path", "WATCHED_ITEMS"]
+           "follow_path", "WATCHED_ITEMS", "AttributeChanges"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
@@ -94,22 +99,36 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
                     kept[k] = _Array(v)
                 elif _small(v) and is_plain_value(v):
                     kept[k] = _copied(v)
+                elif is_container(v, WATCHED_ITEMS):   # (self.outs holding tensors: its items compared)
+                    kept[k] = _Items(v)
         for k in assigned.get(name, []):
             v = attrs.get(k, _MISSING)
             # a plain value is copied to compare; another is compared by identity (copying may fail)
-            kept[k] = _Array(v) if is_array(v) else _copied(v) if _small(v) and is_plain_value(v) else _Held(v)
-        snapshot[name] = (kept, set(attrs))
+            kept[k] = _Array(v) if is_array(v) else _copied(v) if _small(v) and is_plain_value(v) else \
+                _Items(v) if is_container(v, WATCHED_ITEMS) else _Held(v)
+        # (all its attributes, held: a list bound anew is told from the same list refilled)
+        snapshot[name] = (kept, dict(attrs))
     return snapshot
 
 
-def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[dict, dict, list[str]]:
-    """After the cell: ``({name: {attr: new value}}, {name: {attr: contents}}, not returned)`` against
-    ``snapshot``. New values are plain values, and tensors and arrays (rank 0's, bound anew); contents are
-    those of tensors and arrays the cell changed in place (``self.buf.add_(1)``, ``self.preds[i] = ...``),
-    which the notebook's own take."""
-    changed: dict = {}
-    filled: dict = {}
-    dropped: list[str] = []
+@dataclass
+class AttributeChanges:
+    """What the cell changed on the notebook's objects, ``{path: {attribute: ...}}`` each, and what cannot
+    come back (``dropped``: the note's entries)."""
+    changed: dict = field(default_factory=dict)    # new plain values, and tensors and arrays bound anew
+    filled: dict = field(default_factory=dict)     # contents of tensors and arrays changed in place
+    items: dict = field(default_factory=dict)      # lists and dicts of tensors: (same object, kind, entries)
+    datasets: dict = field(default_factory=dict)   # torch Datasets set on them (rank 0's objects)
+    dropped: list = field(default_factory=list)
+
+
+def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room | None = None) -> AttributeChanges:
+    """After the cell, against ``snapshot``: new values are plain values, and tensors and arrays (rank 0's,
+    bound anew); contents are those of tensors and arrays the cell changed in place (``self.buf.add_(1)``,
+    ``self.preds[i] = ...``), which the notebook's own take; lists and dicts holding tensors
+    (``self.outs.append(out)``) are described by :func:`~.containers.describe` within ``room``."""
+    room = room or Room()
+    out = AttributeChanges()
     for name, (before, present) in snapshot.items():
         attrs = getattr(follow_path(ns, name), "__dict__", None)
         if not isinstance(attrs, dict):
@@ -122,18 +141,40 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str]) -> tuple[di
             was = before.get(k, _MISSING)
             if isinstance(was, _Array) and now is was.value:
                 if was.changed():
-                    filled.setdefault(name, {})[k] = detached(now)
+                    out.filled.setdefault(name, {})[k] = detached(now)
+                continue
+            if isinstance(was, _Items) and now is was.value or is_container(now, WATCHED_ITEMS):
+                _describe_items(out, room, name, k, now, was, present.get(k, _MISSING))
                 continue
             if now is _MISSING or _same(now, was):
                 continue
             if is_array(now) and fingerprint(now) is not None:
-                changed.setdefault(name, {})[k] = detached(now)
+                out.changed.setdefault(name, {})[k] = detached(now)
             elif is_plain_value(now):
-                changed.setdefault(name, {})[k] = _copied(now)
+                out.changed.setdefault(name, {})[k] = _copied(now)
+            elif _is_dataset(now):   # (a DataModule's setup(): self.train_set, self.val_set = random_split(...))
+                out.datasets.setdefault(name, {})[k] = now
             else:
-                dropped.append(f"{name}.{k} (not a plain value)" if not is_array(now) else
-                               f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
-    return changed, filled, dropped
+                out.dropped.append(f"{name}.{k} (not a plain value)" if not is_array(now) else
+                                   f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
+    return out
+
+
+def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, was, held) -> None:
+    """A list or dict attribute holding tensors or objects: its new contents, in terms of the items it
+    held as the cell started (where it was such a container), or the note's entry."""
+    records = was.records if isinstance(was, _Items) else {}
+    entries, changed, foreign = describe(now, records)
+    if not changed and now is held:
+        return
+    if foreign and records:
+        out.dropped.append(f"{name}.{k} ({made_in_cell(foreign)}; change it in a plain cell)")
+    elif foreign:
+        out.dropped.append(f"{name}.{k} (holds objects that are not plain values, tensors or arrays)")
+    elif not room.take(array_bytes(entries, type(now))):
+        out.dropped.append(f"{name}.{k} ({room.too_large})")
+    else:
+        out.items.setdefault(name, {})[k] = (now is held, type(now).__name__, entries)
 
 
 def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str, list[str]]:
@@ -165,6 +206,17 @@ class _Array:
         return other is self.value
 
 
+class _Items:
+    """A list or dict attribute holding more than plain values: the object, and its items' records."""
+
+    def __init__(self, value):
+        self.value = value
+        self.records = records_of(value)
+
+    def __eq__(self, other):
+        return other is self.value
+
+
 class _Held:
     """An attribute's value as the cell started, compared by identity."""
 
@@ -178,6 +230,11 @@ class _Held:
 def _copied(value):
     """A copy of a plain value; its tensors detached (a loss with its graph cannot be copied)."""
     return copy.deepcopy(detached(value))
+
+
+def _is_dataset(value) -> bool:
+    import torch
+    return isinstance(value, torch.utils.data.Dataset)
 
 
 def _small(value) -> bool:

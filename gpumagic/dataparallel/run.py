@@ -235,7 +235,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
         not_returned=state.get("not_returned", []) + state["not_loaded"] + not_defined + item_notes(
-            survey.item_targets, state.get("containers", {})),
+            survey.item_targets, survey.containers),
         value=ns.get(state["value"].name) if isinstance(state.get("value"), NotebookName) else state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,
@@ -325,7 +325,7 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         # Weights are copied into the notebook's tensors; values are kept: they must not be
         # views of the receive buffer that the next cell reuses.
         state["values"], state["value"] = cloned(state["values"]), cloned(state.get("value"))
-        for key in ("attributes", "attributes_filled", "containers"):
+        for key in ("attributes", "attributes_filled", "attribute_items", "containers"):
             state[key] = cloned(state.get(key) or {})
         modules, optimizers = ({}, {}) if shipment else (survey.modules, survey.optimizers)
         loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)

@@ -157,13 +157,14 @@ def _loaders_built(tree) -> list[str]:
 _ATTRIBUTE_SET = re.compile(r"\.\w+$")
 
 
-def item_notes(item_targets: dict, returned) -> list[str]:
+def item_notes(item_targets: dict, compared) -> list[str]:
     """What the cell set through items of notebook objects and did not come back, for its note: all of a
-    root that did not come back; of a dict or list that did (:mod:`.containers`), the attributes set on
-    objects it holds (``held["box"].size = 3``: the box is the notebook's, unchanged by the comparison)."""
+    root that was not compared; of a dict or list rank 0 compared (``compared``: :mod:`.containers`,
+    whose own note names one that does not come back), the attributes set on objects it holds
+    (``held["box"].size = 3``: the box is the notebook's, unchanged by the comparison)."""
     notes = []
     for root, (kind, targets) in item_targets.items():
-        if root in returned:
+        if root in compared:
             targets = [t for t in targets if _ATTRIBUTE_SET.search(t)]
             if targets:
                 notes.append(f"{', '.join(targets)} (set on {'objects' if len(targets) > 1 else 'an object'} "
