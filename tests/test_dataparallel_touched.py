@@ -31,3 +31,20 @@ def test_a_strided_numpy_array_over_the_limit_is_not_copied(monkeypatch):
     monkeypatch.setattr(np, "ascontiguousarray", lambda *a, **k: pytest.fail("copied"))
     assert touched.fingerprint(arr) is None
     assert touched.fingerprint(np.array([object()])) is None    # object arrays: not compared
+
+
+def test_a_large_plain_item_of_a_container_is_compared_by_identity_not_copied(monkeypatch):
+    import copy
+
+    from gpumagic.dataparallel import containers
+    history = [0.5] * 20_000                           # over what is copied to compare
+    held = {"model": torch.nn.Linear(2, 2), "history": history, "n": 1}
+    copied: list = []
+    real = copy.deepcopy
+    monkeypatch.setattr(containers.copy, "deepcopy", lambda v, *a: copied.append(v) or real(v, *a))
+    before = containers.snapshot({"held": held}, ["held"])
+    assert copied == [1]                               # only the small plain item
+    assert containers.changes({"held": held}, before) == ({}, [])
+    held["n"] = 2                                      # a change beside it still comes back
+    back, _ = containers.changes({"held": held}, before)
+    assert back == {"held": [("model", ("old", "model")), ("history", ("old", "history")), ("n", ("value", 2))]}

@@ -54,12 +54,22 @@ def _record(item):
     """What is kept of one item to compare: the object, and a copy (plain) or a fingerprint (array)."""
     if is_array(item):
         return item, _ARRAY, fingerprint(item)
-    if is_plain_value(item):
+    if not _large(item) and is_plain_value(item):
         try:
             return item, _PLAIN, copy.deepcopy(detached(item))
         except Exception:   # a plain value that does not copy (rare): compared by identity
             logger.debug("an item could not be copied to compare", exc_info=True)
     return item, _OBJECT, None
+
+
+# A plain item with more than this many items (a history of a million losses, a vocabulary) is not
+# copied to compare, each cell, on the way to the first step: it is compared by identity, so a change
+# inside it is missed, as for the attributes of notebook objects (returnable.py).
+_COPIED_ITEMS = 10_000
+
+
+def _large(value) -> bool:
+    return isinstance(value, (list, tuple, dict)) and len(value) > _COPIED_ITEMS
 
 
 def snapshot(ns: dict, names: list[str]) -> dict:
@@ -141,6 +151,10 @@ def describe(container, records: dict) -> tuple[list, bool, list[str]]:
     changed = len(container) != len(records)
     for key, item in _items(container):
         before_here = records.get(key)
+        if before_here is not None and before_here[1] == _OBJECT and item is before_here[0]:
+            # the same object at the same place (a model, a large plain list): nothing to walk
+            entries.append(("old", key) if isinstance(container, list) else (key, ("old", key)))
+            continue
         if is_plain_value(item) and not is_array(item):
             entry: tuple = ("value", detached(item))
             changed = changed or not (before_here is not None and before_here[1] == _PLAIN
