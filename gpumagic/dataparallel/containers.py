@@ -36,7 +36,7 @@ from .touched import fingerprint, is_array
 logger = logging.getLogger(__name__)
 
 __all__ = ["snapshot", "changes", "apply", "is_container", "records_of", "describe", "rebuilt", "made_in_cell",
-           "array_bytes", "Room", "grown"]
+           "array_bytes", "Room", "grown", "planned", "refill_all"]
 
 _PLAIN, _ARRAY, _OBJECT = "plain", "array", "object"
 
@@ -77,16 +77,23 @@ def snapshot(ns: dict, names: list[str]) -> dict:
     return {n: (ns[n], records_of(ns[n])) for n in names if n in ns}
 
 
-def changes(ns: dict, before: dict, room: Room | None = None) -> tuple[dict, list[str]]:
+def changes(ns: dict, before: dict, room: Room | None = None,
+            described: set[int] | None = None) -> tuple[dict, list[str]]:
     """After the cell: ``({name: new contents}, not returned)``. New contents: a list of entries (a list)
     or a list of ``(key, entry)`` (a dict); entries as the module says. ``room``: the bytes of tensors
-    they may bring back, shared with the cell's other containers."""
+    they may bring back, shared with the cell's other containers. ``described``: ids of containers
+    already described (as an attribute's, or under another name: ``b = a``), skipped; those described
+    here are added."""
     room = room or Room()
+    described = set() if described is None else described
     back: dict = {}
     dropped: list[str] = []
     for name, (container, records) in before.items():
         if ns.get(name) is not container:
             continue   # rebound by the cell: it comes back as an assigned name
+        if id(container) in described:
+            continue   # one container under two names comes back once (the kernel refills it once)
+        described.add(id(container))
         entries, changed, foreign = describe(container, records)
         if not changed:
             continue
@@ -156,9 +163,14 @@ def describe(container, records: dict) -> tuple[list, bool, list[str]]:
             entries.append(("old", key) if isinstance(container, list) else (key, ("old", key)))
             continue
         if is_plain_value(item) and not is_array(item):
+            unchanged = before_here is not None and before_here[1] == _PLAIN and \
+                equal_values(detached(item), before_here[2])
             entry: tuple = ("value", detached(item))
-            changed = changed or not (before_here is not None and before_here[1] == _PLAIN
-                                      and equal_values(detached(item), before_here[2]))
+            if before_here is not None and item is before_here[0] and isinstance(item, (list, dict)):
+                # the notebook's own list or dict (``held["hist"] is hist``): kept, refilled where changed,
+                # so other names holding it see the change and its type (a defaultdict) stays
+                entry = ("old", key) if unchanged else ("filled", key, detached(item))
+            changed = changed or not unchanged
         elif id(item) in by_id:
             old_key = by_id[id(item)]
             changed = changed or old_key != key
@@ -185,7 +197,7 @@ def made_in_cell(keys: list[str]) -> str:
 def array_bytes(entries: list, kind: type) -> int:
     """Bytes of the tensors and arrays rank 0 sends for a ``kind`` (list or dict) of ``entries``: new
     ones, and contents filled into the notebook's."""
-    plain = entries if kind is list else [e for _, e in entries]
+    plain = entries if issubclass(kind, list) else [e for _, e in entries]
     return sum(e[-1].nbytes for e in plain if e[0] in ("value", "filled") and is_array(e[-1]))
 
 
@@ -199,14 +211,32 @@ def rebuilt(old, kind: type, entries: list):
 def apply(ns: dict, contents: dict) -> list[str]:
     """In the kernel: each notebook container takes its new contents in place (the same object, as
     other names may hold it); returns their names."""
+    plans: dict = {}
+    done = planned(ns, contents, plans)
+    refill_all(plans)
+    return done
+
+
+def planned(ns: dict, contents: dict, plans: dict) -> list[str]:
+    """In the kernel, before any container is refilled: each named container's new contents, built from
+    the notebook's objects as they still are, into ``plans`` (``{id(container): (container, new)}``; a
+    container reached under two names is built once, the first one winning); returns their names."""
     done = []
     for name, entries in contents.items():
         container = ns.get(name)
-        if type(container) not in (list, dict):
+        if not isinstance(container, (list, dict)):
             continue
-        refill_container(container, rebuilt(container, type(container), entries))
+        if id(container) not in plans:   # (a defaultdict's new items: refilled into it, so it stays one)
+            plans[id(container)] = (container, rebuilt(container, list if isinstance(container, list) else dict,
+                                                        entries))
         done.append(name)
     return done
+
+
+def refill_all(plans: dict) -> None:
+    """Each container of :func:`planned`'s ``plans`` takes its new contents."""
+    for container, new in plans.values():
+        refill_container(container, new)
 
 
 def refill_container(container, new) -> None:

@@ -91,7 +91,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
                 _add_object(state, n, v)
-        elif n not in meta["assigned"] and type(v) in (list, dict):
+        elif n not in meta["assigned"] and isinstance(v, (list, dict)):   # (a defaultdict too: refilled, kept)
             grew.append(n)   # a notebook list of plain values the cell appended tensors to (containers.grown)
     for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
         state["values"][n] = detached(ns[n])
@@ -99,9 +99,10 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     room = Room(RETURN_LIMIT - sum(len(b) for b in state["objects"].values()))
     attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room)
     state["attributes"], state["attributes_filled"] = attributes.changed, attributes.filled
-    state["attribute_items"] = attributes.items
+    state["attribute_items"], state["attributes_kept"] = attributes.items, attributes.kept
     # the notebook's dicts and lists holding objects, whose items the cell or its functions changed
-    state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}), room)
+    state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}), room,
+                                                         attributes.described)
     state["not_returned"] += not_back
     filled_lists, not_back = grown_containers(ns, grew, room)
     state["containers"].update(filled_lists)

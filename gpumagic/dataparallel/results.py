@@ -17,7 +17,6 @@ from ..cell.module_settings import apply_settings
 from ..cell.values import equal_values, is_stateful, same_tuple_type
 from .by_reference import loaded, resolved
 from .returnable import follow_path
-from .touched import is_array
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     """Check everything first, then copy rank 0's state into the notebook's objects in place."""
     import torch
 
-    from .containers import apply as apply_containers
+    from .containers import planned as planned_containers
+    from .containers import refill_all
     problems = []
     reshaped = state.get("reshaped") or {}
     for name, module in modules.items():
@@ -165,6 +165,11 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                if name not in state.get("assigned", ())}
     filled = [(target, attr, value, _changed_items(getattr(target, attr, None), value))
               for target, attr, value in _attribute_targets(ns, state.get("attributes_filled"))]
+    # The notebook's lists and dicts whose items changed, each built before any is refilled: one reached
+    # under two names (``b = a``, or also an object's attribute) would be rebuilt from places overwritten.
+    plans: dict = {}
+    item_names, rebound = _planned_items(ns, state.get("attribute_items") or {}, plans)
+    container_names = planned_containers(ns, state.get("containers") or {}, plans)
     bound = []
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
@@ -193,16 +198,20 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             logger.debug("%s.%s changed shape or dtype in place: bound to rank 0's", type(target).__name__, attr)
             setattr(target, attr, value)
     bound += [f"{name}.{attr}" for name, attrs in (state.get("attributes_filled") or {}).items() for attr in attrs]
+    kept = state.get("attributes_kept") or {}
     for name, attrs in (state.get("attributes") or {}).items():
         target = follow_path(ns, name)
         for attr, value in attrs.items():
             # a tensor or array bound anew is rank 0's (as a plain cell binds a new one); a list or dict
-            # the cell changed, the notebook's own, refilled (other names may hold it)
-            if is_array(value) or not _refill(getattr(target, attr, None), value):
+            # the cell changed in place, the notebook's own, refilled (other names may hold it); one the
+            # cell bound anew, set (other names keep the old one, as after a plain cell)
+            if attr not in kept.get(name, ()) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
-    bound += _apply_items(ns, state.get("attribute_items") or {})
-    bound += apply_containers(ns, state.get("containers") or {})
+    for target, attr, new in rebound:
+        setattr(target, attr, new)
+    refill_all(plans)
+    bound += item_names + container_names
     if datasets:
         bound += _set_datasets(ns, datasets, referenced, not_loaded)
     for name, attrs in (state.get("attributes_deleted") or {}).items():   # ``del cfg.name``
@@ -235,19 +244,32 @@ def _apply_items(ns: dict, items: dict) -> list[str]:
     """Lists and dicts of tensors the cell changed on the notebook's objects (``self.outs.append(...)``):
     rebuilt from their entries (:func:`~.containers.describe`), the notebook's own list refilled where
     the cell kept it, a new one bound where the cell bound one."""
-    from .containers import rebuilt, refill_container
-    done = []
+    from .containers import refill_all
+    plans: dict = {}
+    done, rebound = _planned_items(ns, items, plans)
+    for target, attr, new in rebound:
+        setattr(target, attr, new)
+    refill_all(plans)
+    return done
+
+
+def _planned_items(ns: dict, items: dict, plans: dict) -> tuple[list[str], list]:
+    """:func:`_apply_items`' new contents, built before any is written: the notebook's lists to refill into
+    ``plans`` (as :func:`~.containers.planned`), and ``(object, attribute, new)`` to bind anew."""
+    from .containers import rebuilt
+    done, rebound = [], []
     for name, attrs in items.items():
         target = follow_path(ns, name)
         for attr, (same, kind, entries) in attrs.items():
             old = getattr(target, attr, None)
-            new = rebuilt(old, list if kind == "list" else dict, entries)
-            if same and type(old) is type(new):
-                refill_container(old, new)
+            kind_ = list if kind == "list" else dict
+            if same and type(old) is kind_:
+                if id(old) not in plans:
+                    plans[id(old)] = (old, rebuilt(old, kind_, entries))
             else:
-                setattr(target, attr, new)
+                rebound.append((target, attr, rebuilt(old, kind_, entries)))
             done.append(f"{name}.{attr}")
-    return done
+    return done, rebound
 
 
 def _set_datasets(ns: dict, datasets: tuple, referenced: dict, not_loaded: list[str]) -> list[str]:

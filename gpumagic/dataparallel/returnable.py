@@ -120,6 +120,10 @@ class AttributeChanges:
     items: dict = field(default_factory=dict)      # lists and dicts of tensors: (same object, kind, entries)
     datasets: dict = field(default_factory=dict)   # torch Datasets set on them (rank 0's objects)
     dropped: list = field(default_factory=list)
+    described: set = field(default_factory=set)    # ids of the lists and dicts in ``items`` refilled in place
+    kept: dict = field(default_factory=dict)       # {path: [attribute]}: lists and dicts in ``changed`` that
+    # are still the notebook's own object (refilled there); others were bound anew (set, as other names
+    # holding the old one keep it: ``run1 = tr.losses``, then ``tr.losses = []`` in the cell)
 
 
 def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room | None = None) -> AttributeChanges:
@@ -152,6 +156,8 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                 out.changed.setdefault(name, {})[k] = detached(now)
             elif is_plain_value(now):
                 out.changed.setdefault(name, {})[k] = _copied(now)
+                if isinstance(now, (list, dict)) and now is present.get(k, _MISSING):
+                    out.kept.setdefault(name, []).append(k)
             elif _is_dataset(now):   # (a DataModule's setup(): self.train_set, self.val_set = random_split(...))
                 out.datasets.setdefault(name, {})[k] = now
             else:
@@ -175,6 +181,8 @@ def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, w
         out.dropped.append(f"{name}.{k} ({room.too_large})")
     else:
         out.items.setdefault(name, {})[k] = (now is held, type(now).__name__, entries)
+        if now is held:
+            out.described.add(id(now))   # (a notebook name holding it too is not described again)
 
 
 def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str, list[str]]:

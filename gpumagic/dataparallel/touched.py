@@ -35,8 +35,10 @@ def _as_tensor(value):
     import torch
     if isinstance(value, torch.Tensor):
         t = value.detach()
-        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:   # (meta: no contents)
             return None
+        if (t.is_conj() or t.is_neg()) and t.numel() * t.element_size() <= READ_WHOLE_BYTES:
+            t = t.resolve_conj().resolve_neg()   # lazy views (``x.conj()``): their contents (larger: by version)
     else:
         import numpy
         if value.dtype.hasobject or value.nbytes > RETURN_LIMIT:   # before any copy of a strided one
@@ -59,6 +61,14 @@ READ_WHOLE_BYTES = 16 << 20
 def fingerprint(value):
     """The fingerprint of a tensor's or array's contents (dtype, shape and bytes, or a large tensor's
     version counter); None for what is not compared (:func:`_as_tensor`)."""
+    try:
+        return _fingerprint(value)
+    except Exception:   # a kind this cannot read (a big-endian array...): not compared, rather than fail the cell
+        logger.debug("a %s is not compared", type(value).__name__, exc_info=True)
+        return None
+
+
+def _fingerprint(value):
     from ..procs.tensor_cache import fingerprint_keys
     t = _as_tensor(value)
     if t is None:
