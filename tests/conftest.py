@@ -86,3 +86,12 @@ def messages(monkeypatch):
         return original(self, key)
     monkeypatch.setattr(Widget, "send_state", counting)
     return sent
+
+
+@pytest.fixture
+def no_last_error():
+    """No earlier failure (another test's cell, pytest's own record) in sys.last_*: its frames' tensors
+    would add a note of their own to %gpumem's report."""
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if sys.version_info >= (3, 12):
+        sys.last_exc = None

@@ -59,3 +59,23 @@ def interrupt_once_training(shell, line, cell, marker, timeout=120.0) -> None:
         dp_cell(shell, line, cell)
     watcher.join()
     assert marker.exists(), "interrupted before training began"
+
+
+# A small regression a cell trains: the notebook these tests start from.
+REGRESSION = """
+import numpy as np
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+X = torch.randn(32, 4); Y = X.sum(1, keepdim=True)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+"""
+
+
+def notebook_from(shell, source: str = REGRESSION) -> dict:
+    """Run ``source`` as a plain cell (it must succeed); the notebook's namespace."""
+    from tests.conftest import run_cell
+    result, text, _ = run_cell(shell, source)
+    assert result.success, text
+    return shell.user_ns

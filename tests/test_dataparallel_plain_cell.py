@@ -13,19 +13,11 @@ import torch
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from
 
 CPU2 = "--nprocs 2"
 
-SETUP = """
-import numpy as np
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-X = torch.randn(32, 4); Y = X.sum(1, keepdim=True)
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
-"""
+SETUP = REGRESSION
 
 ACCUMULATE = """
 for x, y in loader:
@@ -34,9 +26,7 @@ for x, y in loader:
 
 
 def _setup(shell, source=SETUP):
-    result, text, _ = run_cell(shell, source)
-    assert result.success, text
-    return shell.user_ns
+    return notebook_from(shell, source)
 
 
 def _close(a, b, tol=1e-5):

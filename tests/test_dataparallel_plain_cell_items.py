@@ -9,26 +9,15 @@ import copy
 import torch
 
 from gpumagic.dataparallel.run import last_result
-from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from
 
 CPU2 = "--nprocs 2"
 
-SETUP = """
-import numpy as np
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-X = torch.randn(32, 4); Y = X.sum(1, keepdim=True)
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
-"""
+SETUP = REGRESSION
 
 
 def _setup(shell, source):
-    result, text, _ = run_cell(shell, source)
-    assert result.success, text
-    return shell.user_ns
+    return notebook_from(shell, source)
 
 
 def _trained(ns):

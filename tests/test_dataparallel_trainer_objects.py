@@ -11,15 +11,9 @@ import torch
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import REGRESSION, dp_cell
 
-SETUP = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-X = torch.randn(32, 4); Y = X.sum(1, keepdim=True)
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+SETUP = REGRESSION + """
 
 class Trainer:                     # holds what it trains
     def __init__(self, model, opt, loader):

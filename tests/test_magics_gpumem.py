@@ -1,8 +1,6 @@
 """%gpumem through a real InteractiveShell (terminal): tables, --vars, --free, bad input."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
@@ -10,14 +8,7 @@ from IPython.utils.capture import capture_output
 from tests.conftest import run_cell
 from tests.fake_nvml import busy_four_gpu_machine, installed
 
-
-@pytest.fixture(autouse=True)
-def no_last_error():
-    """No earlier failure (another test's cell, pytest's own record) in sys.last_*: its frames' tensors
-    would add a note of their own."""
-    sys.last_type = sys.last_value = sys.last_traceback = None
-    if sys.version_info >= (3, 12):
-        sys.last_exc = None
+pytestmark = pytest.mark.usefixtures("no_last_error")
 
 
 @pytest.fixture

@@ -12,14 +12,7 @@ from IPython.utils.capture import capture_output
 from gpumagic.widgets import monitor
 from tests.conftest import run_cell
 
-
-@pytest.fixture(autouse=True)
-def no_last_error():
-    """No earlier failure (another test's cell, pytest's own record) in sys.last_*: its frames' tensors
-    would add a note of their own."""
-    sys.last_type = sys.last_value = sys.last_traceback = None
-    if sys.version_info >= (3, 12):
-        sys.last_exc = None
+pytestmark = pytest.mark.usefixtures("no_last_error")
 
 
 @pytest.fixture
