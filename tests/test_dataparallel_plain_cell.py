@@ -13,7 +13,7 @@ import torch
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from
+from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from, trained_in_one_process
 
 CPU2 = "--nprocs 2"
 
@@ -93,12 +93,7 @@ def fill(i, x):
 
 def test_a_scripted_model_is_the_users_module_and_comes_back(shell):
     ns = _setup(shell)
-    ref = copy.deepcopy(ns["model"])
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in ns["loader"]:
-        ref_opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
+    ref = trained_in_one_process(ns)
     dp_cell(shell, CPU2, """
         for x, y in loader:
             opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()

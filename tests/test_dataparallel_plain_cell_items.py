@@ -4,12 +4,10 @@ object changed in place by its methods, and items of notebook dicts and lists ho
 the cell or in a notebook function it calls."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from gpumagic.dataparallel.run import last_result
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from
+from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from, trained_in_one_process
 
 CPU2 = "--nprocs 2"
 
@@ -18,17 +16,6 @@ SETUP = REGRESSION
 
 def _setup(shell, source):
     return notebook_from(shell, source)
-
-
-def _trained(ns):
-    """One epoch in this process, as a plain cell trains it."""
-    ref = copy.deepcopy(ns["model"])
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in ns["loader"]:
-        ref_opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-    return ref
 
 
 TRAINER = SETUP + """
@@ -58,7 +45,7 @@ def test_tensor_and_array_attributes_a_method_changes_in_place_come_back_in_plac
     """``self.preds[i] = model(x)`` and ``self.buf.add_(1)`` in a notebook class's method were lost: only
     plain attributes were compared."""
     ns = _setup(shell, TRAINER)
-    reference = _trained(ns)
+    reference = trained_in_one_process(ns)
     trainer = ns["trainer"]
     objects = {k: getattr(trainer, k) for k in ("preds", "buf", "steps", "arr", "untouched")}
     dp_cell(shell, CPU2, "trainer.run()\n")

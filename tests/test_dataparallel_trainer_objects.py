@@ -11,7 +11,7 @@ import torch
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import REGRESSION, dp_cell
+from tests.dataparallel_helpers import REGRESSION, dp_cell, trained_in_one_process
 
 SETUP = REGRESSION + """
 
@@ -120,12 +120,7 @@ def test_an_object_whose_getattr_raises_keyerror_is_read_without_asking_it():
 def test_a_forward_reading_an_attribute_dict_still_trains(shell):
     run_cell(shell, ATTRIBUTE_DICT)
     ns = shell.user_ns
-    reference = copy.deepcopy(ns["model"])
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, y in ns["loader"]:
-        opt.zero_grad()
-        ((reference(x) - y) ** 2).mean().backward()
-        opt.step()
+    reference = trained_in_one_process(ns)
     dp_cell(shell, "--nprocs 2", """
         for x, y in loader:
             opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()
