@@ -97,13 +97,8 @@ def changes(ns: dict, before: dict, room: Room | None = None,
         entries, changed, foreign = describe(container, records)
         if not changed:
             continue
-        if foreign:
-            dropped.append(f"{name} ({made_in_cell(foreign)}, so {name} is left as it was; change it in a plain "
-                           "cell)")
-        elif room.take(array_bytes(entries, type(container))):
-            back[name] = entries
-        else:
-            dropped.append(f"{name} ({room.too_large}, so {name} is left as it was)")
+        why = f"{made_in_cell(foreign)}, so {name} is left as it was; change it in a plain cell" if foreign else None
+        _bring_back(name, container, entries, why, room, back, dropped)
     return back, dropped
 
 
@@ -116,14 +111,20 @@ def grown(ns: dict, names: list[str], room: Room) -> tuple[dict, list[str]]:
     for name in names:
         container = ns[name]
         entries, _, foreign = describe(container, {})
-        if foreign:
-            dropped.append(f"{name} (holds objects that are not plain values, tensors or arrays, so {name} is left "
-                           "as it was)")
-        elif room.take(array_bytes(entries, type(container))):
-            back[name] = entries
-        else:
-            dropped.append(f"{name} ({room.too_large}, so {name} is left as it was)")
+        why = (f"holds objects that are not plain values, tensors or arrays, so {name} is left as it was"
+               if foreign else None)
+        _bring_back(name, container, entries, why, room, back, dropped)
     return back, dropped
+
+
+def _bring_back(name: str, container, entries: list, why: str | None, room: Room, back: dict,
+                dropped: list[str]) -> None:
+    """``entries`` into ``back`` where nothing stops them (``why``) and their tensors fit in ``room``;
+    else the reason into ``dropped``."""
+    if why is None and room.take(array_bytes(entries, type(container))):
+        back[name] = entries
+    else:
+        dropped.append(f"{name} ({why or f'{room.too_large}, so {name} is left as it was'})")
 
 
 class Room:
