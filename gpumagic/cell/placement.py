@@ -49,7 +49,7 @@ call                                DEVICE is cuda:k    DEVICE is cpu / meta
 ``torch.cuda.synchronize()``        synchronises k      nothing
 ``with torch.cuda.device(i):``      device k            nothing
 ``x.is_cuda``                       on CUDA or DEVICE   on CUDA or DEVICE
-``x.type()``                        torch's             on DEVICE: its CUDA type
+``x.type()``, ``torch.typename(x)``  torch's             on DEVICE: its CUDA type
 ``x.pin_memory()`` / ``pin_memory=``  unchanged           skipped (no pinning)
 ==================================  ==================  =====================
 

@@ -24,7 +24,7 @@ call                                             DEVICE is cuda:k      DEVICE is
 ``Stream()``, ``current_stream()``, ``Event()``  on k                  stand-ins (below)
 ``torch.cuda.stream(s)``, ``set_stream(s)``      torch's               nothing
 ``x.get_device()``                               torch's               0 for a tensor on DEVICE
-``x.type()``                                     torch's               its CUDA type on DEVICE
+``x.type()``, ``torch.typename(x)``              torch's               its CUDA type on DEVICE
 ===============================================  ====================  ==============================
 
 On a device without streams, work runs in program order, so a stream has
@@ -378,3 +378,10 @@ class CudaCalls(PlacementPart):
         rest = name[len("torch."):]
         own = f"{self._kind}."
         return "torch.cuda." + (rest[len(own):] if rest.startswith(own) else rest)
+
+    def typename(self, fn, obj) -> str:
+        """``torch.typename(x)``: torch answers ``x.type()`` for a tensor, so it answers as :meth:`type_name`."""
+        __tracebackhide__ = True
+        if self.target is not None and fn is self._torch.typename and isinstance(obj, self._torch.Tensor):
+            return self.type_name(obj)
+        return fn(obj)

@@ -6,8 +6,10 @@ Part of :class:`~gpumagic.cell.placement.Placement`:
   outside its parameters and buffers) has that method run, as on a GPU: on
   ``cuda:k`` with CUDA indices meaning k; on another device when the method
   was rewritten (defined in a ``%%ondevice`` cell: its ``super().cuda()``
-  follows the device). One defined elsewhere would reach CUDA itself, so there
-  the module's parameters and buffers move, as torch's ``cuda`` would move them;
+  follows the device) or comes from a plain notebook cell (compiled again
+  through the rewrite: :mod:`.placement_own`). One from a library would reach
+  CUDA itself, so there the module's parameters and buffers move, as torch's
+  ``cuda`` would move them;
 * a storage (``torch.load(f, map_location=lambda s, loc: s.cuda())``) goes to the device, and so does
   one saved on a GPU, loaded by a ``torch.load(f)`` that gives no ``map_location`` (as on a GPU);
   a dict ``map_location`` (``{'cuda:1': 'cuda:0'}``) sends every CUDA location to the device, the ones it
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from .placement_own import rebuilt
 from .placement_part import PlacementPart
 from .placement_rewrite import is_cuda_name, is_cuda_type_name, lookup
 from .placement_values import TypedTensor
@@ -73,6 +76,9 @@ class MethodCalls(PlacementPart):
                     return own(*args, **kwargs)
             if rewritten(own):
                 return own(*args, **kwargs)
+            again = rebuilt(own, self)   # a class from a plain notebook cell: its method, following the device
+            if again is not None:
+                return again(*args, **kwargs)
             # Its code would reach CUDA, which this device is standing in for.
             logger.debug("%s.cuda is not rewritten code; its parameters and buffers move to %s instead",
                          type(module).__qualname__, self.target)

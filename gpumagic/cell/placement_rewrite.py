@@ -72,6 +72,7 @@ _CUDA_CALLS = {
     "torch.accelerator.current_accelerator": "accelerator", "torch.accelerator.current_stream": "stream_current",
     "torch.accelerator.set_stream": "stream_set",
     "torch.set_default_tensor_type": "default_tensor_type",   # the pre-2.1 way to make CUDA the default
+    "torch.typename": "typename",   # ``x.type()`` for a tensor: the same answer (CudaCalls.type_name)
     # Mixed precision names a device type: 'cuda' means DEVICE's (see CudaCalls.amp).
     "torch.autocast": "amp", "torch.amp.autocast": "amp", "torch.amp.GradScaler": "amp",
     "torch.cuda.amp.autocast": "amp_cuda_autocast", "torch.cuda.amp.GradScaler": "amp_cuda_scaler",
