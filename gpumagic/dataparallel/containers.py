@@ -1,64 +1,85 @@
 """Notebook dicts and lists holding objects, whose items a ``%%dataparallel`` cell changes.
 
 A dict or list of plain values (``history = []``) comes back whole as a value. One that also
-holds objects (``held = {"n": 1, "model": model}``, ``runs = [cfg, ...]``) cannot: a copy would
-replace the notebook's objects inside it. Yet a plain cell's ``held["n"] = 2``,
-``runs.append(0.5)`` or ``del held["old"]`` changes it, written in the cell or inside a notebook
-function the cell calls. So rank 0 takes a shallow record of each such container the cell reaches
-before it runs (:func:`snapshot`), compares after (:func:`changes`), and describes the new
-contents in terms of the old items (:func:`apply` rebuilds them from the notebook's own objects):
+holds objects (``held = {"n": 1, "model": model}``, ``runs = [cfg, ...]``; a ``defaultdict`` or an
+``OrderedDict`` too) cannot: a copy would replace the notebook's objects inside it. Yet a plain
+cell's ``held["n"] = 2``, ``runs.append(0.5)`` or ``del held["old"]`` changes it, written in the
+cell or inside a notebook function the cell calls. So rank 0 takes a shallow record of each such
+container the cell reaches before it runs (:func:`snapshot`), compares after (:func:`changes`), and
+describes the new contents in terms of the old items (:func:`apply` rebuilds them from the
+notebook's own objects, into the same container, which keeps its type and key order as rank 0's):
 
 * an item still the object it was: the notebook's item at its old place (``("old", key)``);
 * a plain value, new or changed (``held["stats"]["n"] += 1`` too): rank 0's (``("value", v)``);
 * a tensor or numpy array changed in place (``held["buf"].add_(1)``): rank 0's contents, written
-  into the notebook's item (``("filled", key, v)``); a new one: rank 0's, on the CPU.
+  into the notebook's item (``("filled", key, v)``); a new one: rank 0's, on the CPU;
+* a list or dict it held, changed inside (``held["outs"]["val"].append(out)``): described the same
+  way, a few levels down (their tensors compared by torch's version counter), and refilled in place
+  (``("nested", key, kind, entries)``); a new one holding such items: built anew
+  (``("built", kind, entries)``);
+* an object the notebook holds under a name of its own (``reg["aux"] = m2``): that object
+  (``("name", "m2")``), holding its trained state where it trained.
 
 A container that came to hold anything else (a new object: it would be a copy), or new tensors
 beyond what one cell brings back, does not come back; the cell's note names it. Lists and dicts
 held as attributes of notebook objects (``self.outs.append(out.detach())``) are described the same
-way (:mod:`.returnable`), and so is a notebook list of plain values the cell filled with tensors
-(``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
+way (:mod:`.returnable`), and so is a notebook list or dict of plain values the cell filled with
+tensors (``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
 container's items before and after the cell on rank 0 (containers of at most
-:data:`~.returnable.WATCHED_ITEMS` items), copies of its plain items, and a fingerprint of each
-tensor or array item (:mod:`.touched`).
+:data:`~.returnable.WATCHED_ITEMS` items, and so the lists and dicts they hold), copies of its
+plain items, and a fingerprint of each tensor or array item (:mod:`.touched`).
 
 Runs in the workers (:func:`snapshot`, :func:`changes`) and in the kernel (:func:`apply`).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 
 from ..cell.values import detached, equal_values, is_plain_value
 from ..procs.returning import RETURN_LIMIT
-from .touched import fingerprint, is_array
+from .touched import READ_WHOLE_BYTES, fingerprint, is_array
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["snapshot", "changes", "apply", "is_container", "records_of", "describe", "rebuilt", "made_in_cell",
-           "array_bytes", "Room", "grown", "planned", "refill_all"]
+           "array_bytes", "Room", "grown", "planned", "refill_all", "same_value"]
 
-_PLAIN, _ARRAY, _OBJECT = "plain", "array", "object"
+_PLAIN, _ARRAY, _OBJECT, _NESTED = "plain", "array", "object", "nested"
+# What is compared item by item: refilled in place, its type (and a defaultdict's default_factory) kept.
+# (Other dict subclasses, a ModelOutput or an EasyDict, may refuse or redefine ``clear``/``update``.)
+_KINDS = (list, dict, collections.defaultdict, collections.OrderedDict)
+# Lists and dicts held in a compared one are compared inside too, this many levels down.
+_DEPTH = 3
 
 
 def is_container(value, limit: int) -> bool:
-    """A dict or list (exactly) of at most ``limit`` items that holds more than plain values."""
-    return type(value) in (dict, list) and len(value) <= limit and not is_plain_value(value)
+    """A list or dict (a defaultdict, an OrderedDict) of at most ``limit`` items that holds more than
+    plain values."""
+    return type(value) in _KINDS and len(value) <= limit and not is_plain_value(value)
 
 
 def _items(container) -> list:
     return list(container.items() if isinstance(container, dict) else enumerate(container))
 
 
-def _record(item):
-    """What is kept of one item to compare: the object, and a copy (plain) or a fingerprint (array)."""
+def _kind(container) -> str:
+    return "list" if isinstance(container, list) else "dict"
+
+
+def _record(item, depth: int):
+    """What is kept of one item to compare: the object, and a copy (plain), a fingerprint (array) or
+    the records of its own items (a list or dict holding objects)."""
     if is_array(item):
-        return item, _ARRAY, fingerprint(item)
+        return item, _ARRAY, fingerprint(item, _read_whole(depth))
     if not _large(item) and is_plain_value(item):
         try:
             return item, _PLAIN, copy.deepcopy(detached(item))
         except Exception:   # a plain value that does not copy (rare): compared by identity
             logger.debug("an item could not be copied to compare", exc_info=True)
+    if depth < _DEPTH and is_container(item, _COPIED_ITEMS):
+        return item, _NESTED, records_of(item, depth + 1)
     return item, _OBJECT, None
 
 
@@ -68,8 +89,29 @@ def _record(item):
 _COPIED_ITEMS = 10_000
 
 
+def _read_whole(depth: int) -> int:
+    """Tensors held in a compared container are fingerprinted by their bytes (up to 16 MiB, as
+    :mod:`.touched` does); those held a level down or more (a dict's list of a thousand outputs), by
+    torch's version counter alone, not read each cell on the way to the first step."""
+    return READ_WHOLE_BYTES if depth == 0 else 0
+
+
 def _large(value) -> bool:
     return isinstance(value, (list, tuple, dict)) and len(value) > _COPIED_ITEMS
+
+
+def same_value(a, b) -> bool:
+    """``equal_values``, and dicts in the same key order (``d["a"] = d.pop("a")`` moves a key; ``==``
+    does not see it), looked for in lists of up to 10,000 items."""
+    return equal_values(a, b) and _same_order(a, b)
+
+
+def _same_order(a, b) -> bool:
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_order(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)) and not _large(a):
+        return all(_same_order(x, y) for x, y in zip(a, b))
+    return True
 
 
 def snapshot(ns: dict, names: list[str]) -> dict:
@@ -77,13 +119,13 @@ def snapshot(ns: dict, names: list[str]) -> dict:
     return {n: (ns[n], records_of(ns[n])) for n in names if n in ns}
 
 
-def changes(ns: dict, before: dict, room: Room | None = None,
-            described: set[int] | None = None) -> tuple[dict, list[str]]:
+def changes(ns: dict, before: dict, room: Room | None = None, described: set[int] | None = None,
+            named: dict | None = None) -> tuple[dict, list[str]]:
     """After the cell: ``({name: new contents}, not returned)``. New contents: a list of entries (a list)
     or a list of ``(key, entry)`` (a dict); entries as the module says. ``room``: the bytes of tensors
     they may bring back, shared with the cell's other containers. ``described``: ids of containers
     already described (as an attribute's, or under another name: ``b = a``), skipped; those described
-    here are added."""
+    here are added. ``named``: ``{id: (name, object)}`` of the notebook's objects as the cell started."""
     room = room or Room()
     described = set() if described is None else described
     back: dict = {}
@@ -94,7 +136,7 @@ def changes(ns: dict, before: dict, room: Room | None = None,
         if id(container) in described:
             continue   # one container under two names comes back once (the kernel refills it once)
         described.add(id(container))
-        entries, changed, foreign = describe(container, records)
+        entries, changed, foreign = describe(container, records, named)
         if not changed:
             continue
         why = f"{made_in_cell(foreign)}, so {name} is left as it was; change it in a plain cell" if foreign else None
@@ -102,7 +144,7 @@ def changes(ns: dict, before: dict, room: Room | None = None,
     return back, dropped
 
 
-def grown(ns: dict, names: list[str], room: Room) -> tuple[dict, list[str]]:
+def grown(ns: dict, names: list[str], room: Room, named: dict | None = None) -> tuple[dict, list[str]]:
     """After the cell: notebook lists and dicts of plain values as it started (``outs = []``) that the cell
     filled with tensors or arrays in place (``outs.append(model(x).detach())``), as :func:`changes`
     answers; those holding other objects are named."""
@@ -110,7 +152,7 @@ def grown(ns: dict, names: list[str], room: Room) -> tuple[dict, list[str]]:
     dropped: list[str] = []
     for name in names:
         container = ns[name]
-        entries, _, foreign = describe(container, {})
+        entries, _, foreign = describe(container, {}, named)
         why = (f"holds objects that are not plain values, tensors or arrays, so {name} is left as it was"
                if foreign else None)
         _bring_back(name, container, entries, why, room, back, dropped)
@@ -143,50 +185,83 @@ class Room:
         return True
 
 
-def records_of(container) -> dict:
+def records_of(container, depth: int = 0) -> dict:
     """``{key: record}`` of a dict's or list's items, to compare after the cell (:func:`describe`)."""
-    return {k: _record(v) for k, v in _items(container)}
+    return {k: _record(v, depth) for k, v in _items(container)}
 
 
-def describe(container, records: dict) -> tuple[list, bool, list[str]]:
+def describe(container, records: dict, named: dict | None = None) -> tuple[list, bool, list[str]]:
     """``container``'s contents in terms of the items ``records`` kept (``{}``: a container new to the
-    notebook): ``(entries, changed, keys holding an object made in the cell)``; entries as the module
-    says, ``(key, entry)`` for a dict."""
-    # (plain values are compared by value: small numbers are one object wherever they are)
-    by_id = {id(r[0]): k for k, r in records.items() if r[1] != _PLAIN}
+    notebook) and of the notebook's ``named`` objects (as :func:`changes`): ``(entries, changed, where
+    an object made in the cell is held)``; entries as the module says, ``(key, entry)`` for a dict."""
+    entries, changed, foreign = _described(container, records, named or {}, 0)
+    return entries, changed, [repr(p[0]) + "".join(f"[{k!r}]" for k in p[1:]) for p in foreign]
+
+
+def _described(container, records: dict, named: dict, depth: int) -> tuple[list, bool, list[tuple]]:
+    # (plain values are compared by value: small numbers are one object wherever they are; their
+    # lists and dicts are objects of their own)
+    by_id = {id(r[0]): k for k, r in records.items() if r[1] != _PLAIN or type(r[0]) in _KINDS}
     entries: list = []
-    foreign: list[str] = []
-    changed = len(container) != len(records)
+    foreign: list[tuple] = []
+    # (a key moved to the end, ``d["a"] = d.pop("a")``: the notebook's dict takes rank 0's order)
+    changed = len(container) != len(records) or isinstance(container, dict) and list(container) != list(records)
     for key, item in _items(container):
-        before_here = records.get(key)
-        if before_here is not None and before_here[1] == _OBJECT and item is before_here[0]:
-            # the same object at the same place (a model, a large plain list): nothing to walk
-            entries.append(("old", key) if isinstance(container, list) else (key, ("old", key)))
-            continue
-        if is_plain_value(item) and not is_array(item):
-            unchanged = before_here is not None and before_here[1] == _PLAIN and \
-                equal_values(detached(item), before_here[2])
-            entry: tuple = ("value", detached(item))
-            if before_here is not None and item is before_here[0] and isinstance(item, (list, dict)):
-                # the notebook's own list or dict (``held["hist"] is hist``): kept, refilled where changed,
-                # so other names holding it see the change and its type (a defaultdict) stays
-                entry = ("old", key) if unchanged else ("filled", key, detached(item))
-            changed = changed or not unchanged
-        elif id(item) in by_id:
+        here = records.get(key)
+        plain = is_plain_value(item) and not is_array(item)
+        # (numbers and strings are values, not objects of the notebook's to share)
+        name = _name_of(item, named) if not plain or type(item) in _KINDS else None
+        if here is not None and item is here[0] and (here[1] != _PLAIN or type(item) in _KINDS):
+            entry, moved, bad = _kept(key, item, here, named, depth)
+        elif id(item) in by_id:   # moved from another place in it
             old_key = by_id[id(item)]
-            changed = changed or old_key != key
-            if records[old_key][1] == _ARRAY and fingerprint(item) != records[old_key][2]:
-                entry, changed = ("filled", old_key, detached(item)), True
-            else:
-                entry = ("old", old_key)
-        elif is_array(item) and fingerprint(item) is not None:
-            entry, changed = ("value", detached(item)), True
+            entry, _, bad = _kept(old_key, item, records[old_key], named, depth)
+            moved = True
+        elif name is not None:
+            entry, moved, bad = ("name", name), True, []
+        elif plain:
+            unchanged = here is not None and here[1] == _PLAIN and same_value(detached(item), here[2])
+            entry, moved, bad = ("value", detached(item)), not unchanged, []
+        elif is_array(item) and fingerprint(item, 0) is not None:   # (one it can send: the check, not the bytes)
+            entry, moved, bad = ("value", detached(item)), True, []
+        elif type(item) in (list, dict) and depth < _DEPTH and len(item) <= _COPIED_ITEMS:
+            inner, _, bad = _described(item, {}, named, depth + 1)   # a list or dict made in the cell
+            entry, moved = ("built", _kind(item), inner), True
         else:
-            changed = True
-            foreign.append(repr(key))
-            continue
-        entries.append(entry if isinstance(container, list) else (key, entry))
+            entry, moved, bad = None, True, [()]
+        changed = changed or moved
+        if bad:
+            foreign += [(key, *p) for p in bad]
+        else:
+            entries.append(entry if isinstance(container, list) else (key, entry))
     return entries, changed, foreign
+
+
+def _kept(key, item, record: tuple, named: dict, depth: int) -> tuple:
+    """``(entry, changed, made in the cell)`` for ``item``, the object ``record`` kept at ``key``."""
+    kind, kept = record[1], record[2]
+    if kind == _OBJECT:   # (a model, a large plain list): nothing to walk
+        return ("old", key), False, []
+    if kind == _ARRAY:
+        return (("filled", key, detached(item)), True, []) if fingerprint(item, _read_whole(depth)) != kept else \
+            (("old", key), False, [])
+    if kind == _PLAIN and is_plain_value(item):
+        # the notebook's own list or dict (``held["hist"] is hist``): kept, refilled where changed,
+        # so other names holding it see the change and its type (a defaultdict) stays
+        return (("old", key), False, []) if same_value(detached(item), kept) else \
+            (("filled", key, detached(item)), True, [])
+    # a list or dict holding objects, or one of plain values that came to hold tensors (compared to its copy)
+    inner, changed, bad = _described(item, kept if kind == _NESTED else records_of(kept, depth + 1), named,
+                                     depth + 1)
+    if bad or not changed:
+        return ("old", key), bad != [], bad
+    return ("nested", key, _kind(item), inner), True, []
+
+
+def _name_of(item, named: dict) -> str | None:
+    """The notebook's name for ``item`` as the cell started, if it had one."""
+    held = named.get(id(item))
+    return held[0] if held is not None and held[1] is item else None
 
 
 def made_in_cell(keys: list[str]) -> str:
@@ -198,15 +273,21 @@ def made_in_cell(keys: list[str]) -> str:
 def array_bytes(entries: list, kind: type) -> int:
     """Bytes of the tensors and arrays rank 0 sends for a ``kind`` (list or dict) of ``entries``: new
     ones, and contents filled into the notebook's."""
-    plain = entries if issubclass(kind, list) else [e for _, e in entries]
-    return sum(e[-1].nbytes for e in plain if e[0] in ("value", "filled") and is_array(e[-1]))
+    total = 0
+    for e in entries if issubclass(kind, list) else [e for _, e in entries]:
+        if e[0] in ("value", "filled") and is_array(e[-1]):
+            total += e[-1].nbytes
+        elif e[0] in ("nested", "built"):
+            total += array_bytes(e[-1], list if e[-2] == "list" else dict)
+    return total
 
 
-def rebuilt(old, kind: type, entries: list):
-    """A new ``kind`` (list or dict) of ``entries``, their old items taken from the notebook's ``old``."""
+def rebuilt(old, kind: type, entries: list, plans: dict, ns: dict | None = None):
+    """A new ``kind`` (list or dict) of ``entries``, their old items taken from the notebook's ``old``, its
+    objects by name from ``ns``; lists and dicts it held changed inside are planned into ``plans``."""
     if kind is list:
-        return [_item(old, e) for e in entries]
-    return {k: _item(old, e) for k, e in entries}
+        return [_item(old, e, plans, ns) for e in entries]
+    return {k: _item(old, e, plans, ns) for k, e in entries}
 
 
 def apply(ns: dict, contents: dict) -> list[str]:
@@ -219,9 +300,10 @@ def apply(ns: dict, contents: dict) -> list[str]:
 
 
 def planned(ns: dict, contents: dict, plans: dict) -> list[str]:
-    """In the kernel, before any container is refilled: each named container's new contents, built from
-    the notebook's objects as they still are, into ``plans`` (``{id(container): (container, new)}``; a
-    container reached under two names is built once, the first one winning); returns their names."""
+    """In the kernel, before any container is refilled or name bound: each named container's new contents,
+    built from the notebook's objects as they still are, into ``plans`` (``{id(container): (container,
+    new)}``; a container reached under two names is built once, the first one winning); returns their
+    names."""
     done = []
     for name, entries in contents.items():
         container = ns.get(name)
@@ -229,7 +311,7 @@ def planned(ns: dict, contents: dict, plans: dict) -> list[str]:
             continue
         if id(container) not in plans:   # (a defaultdict's new items: refilled into it, so it stays one)
             plans[id(container)] = (container, rebuilt(container, list if isinstance(container, list) else dict,
-                                                        entries))
+                                                        entries, plans, ns))
         done.append(name)
     return done
 
@@ -241,7 +323,7 @@ def refill_all(plans: dict) -> None:
 
 
 def refill_container(container, new) -> None:
-    """The notebook's list or dict takes ``new``'s items, staying the same object."""
+    """The notebook's list or dict takes ``new``'s items (and key order), staying the same object."""
     if isinstance(container, list):
         container[:] = new
     else:
@@ -249,12 +331,29 @@ def refill_container(container, new) -> None:
         container.update(new)
 
 
-def _item(container, entry):
+def _item(container, entry, plans: dict, ns: dict | None):
     """The object an entry of :func:`changes` stands for, from the notebook's ``container`` as it was."""
     from .results import refill
-    if entry[0] == "old":
+    tag = entry[0]
+    if tag == "value":
+        return entry[1]
+    if tag == "old":
         return container[entry[1]]
-    if entry[0] == "filled":
+    if tag == "filled":
         old = container[entry[1]]
         return old if refill(old, entry[2]) else entry[2]
-    return entry[1]
+    if tag == "name":
+        return (ns or {}).get(entry[1])
+    kind = list if entry[-2] == "list" else dict
+    if tag == "built":
+        return rebuilt(None, kind, entry[-1], plans, ns)
+    if tag == "nested":
+        inner = container[entry[1]]
+        if not isinstance(inner, kind):   # (the notebook's is the object rank 0 compared: not expected)
+            logger.debug("a %s held at %r is not a %s: left as it was", type(inner).__name__, entry[1], kind)
+            return inner
+        if id(inner) not in plans:
+            plans[id(inner)] = (inner, None)   # (held in itself: built once)
+            plans[id(inner)] = (inner, rebuilt(inner, kind, entry[-1], plans, ns))
+        return inner
+    raise ValueError(f"an entry of an unknown kind: {tag!r}")

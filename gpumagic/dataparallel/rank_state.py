@@ -97,14 +97,19 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         state["values"][n] = detached(ns[n])
     # tensors in lists and dicts, and datasets, share what one cell brings back with the objects above
     room = Room(RETURN_LIMIT - sum(len(b) for b in state["objects"].values()))
-    attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room)
+    # the notebook's objects by name (``reg["aux"] = m2`` puts the notebook's m2 there, or its DDP wrapper);
+    # not those of names the cell binds (``x += 1`` on a tensor: the kernel's x would not have the change)
+    bound = set(meta["assigned"])
+    named = {i: held for i, held in {**before, **{id(m): (n, m) for n, m in inner.items()}}.items()
+             if held[0] not in bound}
+    attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room, named)
     state["attributes"], state["attributes_filled"] = attributes.changed, attributes.filled
     state["attribute_items"], state["attributes_kept"] = attributes.items, attributes.kept
     # the notebook's dicts and lists holding objects, whose items the cell or its functions changed
     state["containers"], not_back = container_changes(ns, meta.get("containers_before", {}), room,
-                                                         attributes.described)
+                                                         attributes.described, named)
     state["not_returned"] += not_back
-    filled_lists, not_back = grown_containers(ns, grew, room)
+    filled_lists, not_back = grown_containers(ns, grew, room, named)
     state["containers"].update(filled_lists)
     state["not_returned"] += not_back
     state["attribute_objects"] = _datasets(state, attributes.datasets, meta.get("notebook_objects", {}), room)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
-from ..cell.values import equal_values, is_stateful, same_tuple_type
+from ..cell.values import is_stateful, same_tuple_type
 from .by_reference import loaded, resolved
 from .returnable import follow_path
 
@@ -102,7 +102,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     import torch
 
     from .containers import planned as planned_containers
-    from .containers import refill_all
+    from .containers import refill_all, same_value
     problems = []
     reshaped = state.get("reshaped") or {}
     for name, module in modules.items():
@@ -174,7 +174,7 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     for name, value in state["values"].items():
         old = ns.get(name, _MISSING)
         if name not in state.get("assigned", ()):
-            if equal_values(old, value):
+            if same_value(old, value):   # (a dict whose keys the cell moved is not the same)
                 continue
             if _refill(old, value, changed[name]):   # a list the cell appended to: same object, new contents
                 bound.append(name)
@@ -263,11 +263,11 @@ def _planned_items(ns: dict, items: dict, plans: dict) -> tuple[list[str], list]
         for attr, (same, kind, entries) in attrs.items():
             old = getattr(target, attr, None)
             kind_ = list if kind == "list" else dict
-            if same and type(old) is kind_:
+            if same and isinstance(old, kind_):   # (a defaultdict refilled stays one)
                 if id(old) not in plans:
-                    plans[id(old)] = (old, rebuilt(old, kind_, entries))
+                    plans[id(old)] = (old, rebuilt(old, kind_, entries, plans, ns))
             else:
-                rebound.append((target, attr, rebuilt(old, kind_, entries)))
+                rebound.append((target, attr, rebuilt(old, kind_, entries, plans, ns)))
             done.append(f"{name}.{attr}")
     return done, rebound
 

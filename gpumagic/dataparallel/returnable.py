@@ -30,12 +30,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from ..cell.values import detached, equal_values, is_plain_value
-from .containers import Room, array_bytes, describe, is_container, made_in_cell, records_of
+from ..cell.values import detached, is_plain_value
+from .containers import Room, array_bytes, describe, is_container, made_in_cell, records_of, same_value
 from .touched import fingerprint, is_array
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
-           "follow_path", "WATCHED_ITEMS", "AttributeChanges"]
+           "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
@@ -69,6 +69,12 @@ def watched_paths(ns: dict, names: list[str], depth: int = 3) -> list[str]:
             nxt += [(f"{path}.{k}", v) for k, v in vars(value).items() if not k.startswith("_")]
         frontier = nxt
     return paths
+
+
+def is_compared(value) -> bool:
+    """Whether rank 0 compares a watched object's attribute holding ``value`` (:func:`attribute_snapshot`):
+    tensors and arrays, plain values but long lists and dicts, and lists and dicts holding objects."""
+    return is_array(value) or _small(value) and is_plain_value(value) or is_container(value, WATCHED_ITEMS)
 
 
 def follow_path(ns: dict, path: str):
@@ -126,11 +132,13 @@ class AttributeChanges:
     # holding the old one keep it: ``run1 = tr.losses``, then ``tr.losses = []`` in the cell)
 
 
-def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room | None = None) -> AttributeChanges:
+def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room | None = None,
+                       named: dict | None = None) -> AttributeChanges:
     """After the cell, against ``snapshot``: new values are plain values, and tensors and arrays (rank 0's,
     bound anew); contents are those of tensors and arrays the cell changed in place (``self.buf.add_(1)``,
     ``self.preds[i] = ...``), which the notebook's own take; lists and dicts holding tensors
-    (``self.outs.append(out)``) are described by :func:`~.containers.describe` within ``room``."""
+    (``self.outs.append(out)``) are described by :func:`~.containers.describe` within ``room``, the
+    notebook's ``named`` objects by name."""
     room = room or Room()
     out = AttributeChanges()
     for name, (before, present) in snapshot.items():
@@ -148,7 +156,7 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                     out.filled.setdefault(name, {})[k] = detached(now)
                 continue
             if isinstance(was, _Items) and now is was.value or is_container(now, WATCHED_ITEMS):
-                _describe_items(out, room, name, k, now, was, present.get(k, _MISSING))
+                _describe_items(out, room, name, k, now, was, present.get(k, _MISSING), named)
                 continue
             if now is _MISSING or _same(now, was):
                 continue
@@ -166,11 +174,11 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
     return out
 
 
-def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, was, held) -> None:
+def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, was, held, named) -> None:
     """A list or dict attribute holding tensors or objects: its new contents, in terms of the items it
     held as the cell started (where it was such a container), or the note's entry."""
     records = was.records if isinstance(was, _Items) else {}
-    entries, changed, foreign = describe(now, records)
+    entries, changed, foreign = describe(now, records, named)
     if not changed and now is held:
         return
     if foreign and records:
@@ -250,4 +258,4 @@ def _small(value) -> bool:
 
 
 def _same(a, b) -> bool:
-    return b == a if isinstance(b, _Held) else equal_values(a, b)
+    return b == a if isinstance(b, _Held) else same_value(a, b)

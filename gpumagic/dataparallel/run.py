@@ -235,7 +235,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         values=state["bound"], defined=defined, made=state["made_names"], stayed=state.get("stayed", []),
         strategy=plan.strategy,
         not_returned=state.get("not_returned", []) + state["not_loaded"] + not_defined + item_notes(
-            survey.item_targets, survey.containers),
+            survey.item_targets),
         value=ns.get(state["value"].name) if isinstance(state.get("value"), NotebookName) else state.get("value"),
         per_rank={r: p["stats"] for r, (p, _) in enumerate(results)}, pids=list(pool.pids), pool_started=started,
         shipped_bytes=packed.shipped_bytes, cached_bytes=packed.cached_bytes,

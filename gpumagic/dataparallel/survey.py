@@ -4,7 +4,8 @@ stateful objects, the values that come back, and the notebook objects rank 0 com
 """
 from __future__ import annotations
 
-import re
+import ast
+import logging
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -22,11 +23,13 @@ from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_
 from ..errors import usage_error
 from .containers import is_container
 from .plan import Plan
-from .returnable import WATCHED_ITEMS, watched_paths
+from .returnable import WATCHED_ITEMS, follow_path, is_compared, watched_paths
 from .touched import is_array
 from .wrapping import CUDA_STRING
 
 __all__ = ["CellSurvey", "survey_cell", "read_names", "warn_in_cell", "item_notes"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,7 +49,9 @@ class CellSurvey:
     filled: list = field(default_factory=list)         # notebook tensors and arrays whose items the cell sets
     arrays: list = field(default_factory=list)         # the others it reaches: compared on rank 0 (touched.py)
     containers: list = field(default_factory=list)     # dicts and lists holding objects: compared on rank 0
-    item_targets: dict = field(default_factory=dict)   # root -> (its type's name, targets set through its items)
+    # what the cell sets through items and does not come back: (holder, whether they are set on objects it
+    # holds, the holder coming back) -> (its type's name, targets)
+    item_targets: dict = field(default_factory=dict)
 
 
 def read_names(tree, shell) -> list[str]:
@@ -115,12 +120,14 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
              if root in others and root not in plain_read}
     # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
     filled = [root for root in items if is_array(ns[root])]
+    watched = watched_paths(ns, others + stateful)
+    containers = [n for n in others if n not in plain_read and is_container(ns[n], WATCHED_ITEMS)]
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
         # the notebook's other objects: instances of its own classes (a LightningDataModule whose setup()
         # sets num_classes too, though its state_dict comes back), and what the cell sets on them
-        watched=watched_paths(ns, others + stateful),
+        watched=watched,
         set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
         return_names=[n for n in dict.fromkeys(assigned + plain_read + filled)
                       if n not in trained and n not in stateful],
@@ -129,10 +136,10 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         # set by a notebook function the cell calls (``def fill(i): preds[i] = ...``), or in place
         arrays=[n for n in others if n not in filled and n not in plain_read and is_array(ns[n])],
         # dicts and lists holding objects: rank 0 compares their items (containers.py)
-        containers=[n for n in others if n not in plain_read and is_container(ns[n], WATCHED_ITEMS)],
+        containers=containers,
         # ``cfgs[0].lr = 0.5``: set through an item on what may not come back (item_notes)
-        item_targets={root: (type(ns[root]).__name__, targets) for root, targets in items.items()
-                      if root not in filled})
+        item_targets=_not_coming_back(ns, {r: t for r, t in items.items() if r not in filled}, set(containers),
+                                      set(watched), {id(m) for m in modules.values()}))
 
 
 def _modules_built(tree, ns: dict) -> list[str]:
@@ -154,24 +161,59 @@ def _loaders_built(tree) -> list[str]:
     return [n for names, chain in calls_assigned(tree) if chain and chain[-1].endswith("DataLoader") for n in names]
 
 
-_ATTRIBUTE_SET = re.compile(r"\.\w+$")
+def _steps(target: str) -> list[str | None]:
+    """``rec.outs[0].x`` as ``["outs", None, "x"]``: its attributes, and None for each item, root first."""
+    node = ast.parse(target, mode="eval").body
+    steps: list[str | None] = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        steps.append(node.attr if isinstance(node, ast.Attribute) else None)
+        node = node.value
+    return steps[::-1]
 
 
-def item_notes(item_targets: dict, compared) -> list[str]:
-    """What the cell set through items of notebook objects and did not come back, for its note: all of a
-    root that was not compared; of a dict or list rank 0 compared (``compared``: :mod:`.containers`,
-    whose own note names one that does not come back), the attributes set on objects it holds
-    (``held["box"].size = 3``: the box is the notebook's, unchanged by the comparison)."""
+def _not_coming_back(ns: dict, items: dict, containers: set, watched: set, trained: set[int]) -> dict:
+    """Of ``items`` (``{root: targets set through items}``), what does not come back, as
+    :attr:`CellSurvey.item_targets` holds it. What the cell sets through an item of a list or dict rank 0
+    compares comes back: a notebook container (``held["n"] = 2``), or an attribute of a watched object
+    holding one (``rec.outs[0] = t``: :mod:`.returnable`, which names one that does not); lists and dicts
+    inside them too (``held["outs"][0] = t``), but not attributes set on the objects they hold
+    (``held["box"].size = 3``: the box stays the notebook's). A trained module's layers (``trainer.model[2]
+    = ...``) come back with it (``trained``: their ids)."""
+    out: dict = {}
+    for root, targets in items.items():
+        for target in targets:
+            try:
+                steps = _steps(target)
+            except SyntaxError:   # (unparsed from the cell's own tree: not expected)
+                logger.debug("%s: not read as a target", target, exc_info=True)
+                steps = [None]
+            first = steps.index(None) if None in steps else len(steps)
+            attrs = [str(a) for a in steps[:first]]
+            holder = ".".join([root, *attrs])
+            if id(follow_path(ns, holder)) in trained:
+                continue
+            owner = ".".join([root, *attrs[:-1]])
+            compared = root in containers if not attrs else owner in watched and is_compared(
+                getattr(follow_path(ns, owner), attrs[-1], None))   # (one the cell adds: compared as new)
+            on_held = compared and any(s is not None for s in steps[first + 1:])
+            if not compared or on_held:
+                value = follow_path(ns, holder)
+                if value is None and attrs:   # (an attribute the cell adds to an object that does not come back)
+                    holder, value = root, ns[root]
+                out.setdefault((holder, on_held), (type(value).__name__, []))[1].append(target)
+    return out
+
+
+def item_notes(item_targets: dict) -> list[str]:
+    """The note's entries for :attr:`CellSurvey.item_targets`: what the cell set through items of notebook
+    objects that do not come back, and attributes set on objects held in those that do."""
     notes = []
-    for root, (kind, targets) in item_targets.items():
-        if root in compared:
-            targets = [t for t in targets if _ATTRIBUTE_SET.search(t)]
-            if targets:
-                notes.append(f"{', '.join(targets)} (set on {'objects' if len(targets) > 1 else 'an object'} "
-                             f"held in {root}, which does not come back; set {'them' if len(targets) > 1 else 'it'}"
-                             " in a plain cell)")
-        elif targets:
-            notes.append(f"{', '.join(targets)} (set through {'items' if len(targets) > 1 else 'an item'} of "
-                         f"{root}, a {kind} that does not come back; set {'them' if len(targets) > 1 else 'it'} "
-                         "in a plain cell)")
+    for (holder, on_held), (kind, targets) in item_targets.items():
+        many = len(targets) > 1
+        if on_held:
+            notes.append(f"{', '.join(targets)} (set on {'objects' if many else 'an object'} held in {holder}, "
+                         f"which does not come back; set {'them' if many else 'it'} in a plain cell)")
+        else:
+            notes.append(f"{', '.join(targets)} (set through {'items' if many else 'an item'} of {holder}, a "
+                         f"{kind} that does not come back; set {'them' if many else 'it'} in a plain cell)")
     return notes

@@ -58,23 +58,23 @@ def _as_tensor(value):
 READ_WHOLE_BYTES = 16 << 20
 
 
-def fingerprint(value):
-    """The fingerprint of a tensor's or array's contents (dtype, shape and bytes, or a large tensor's
-    version counter); None for what is not compared (:func:`_as_tensor`)."""
+def fingerprint(value, read_whole: int = READ_WHOLE_BYTES):
+    """The fingerprint of a tensor's or array's contents (dtype, shape and bytes, or the version counter of
+    a tensor over ``read_whole`` bytes); None for what is not compared (:func:`_as_tensor`)."""
     try:
-        return _fingerprint(value)
+        return _fingerprint(value, read_whole)
     except Exception:   # a kind this cannot read (a big-endian array...): not compared, rather than fail the cell
         logger.debug("a %s is not compared", type(value).__name__, exc_info=True)
         return None
 
 
-def _fingerprint(value):
+def _fingerprint(value, read_whole: int):
     from ..procs.tensor_cache import fingerprint_keys
     t = _as_tensor(value)
     if t is None:
         return None
     import torch
-    if isinstance(value, torch.Tensor) and t.numel() * t.element_size() > READ_WHOLE_BYTES \
+    if isinstance(value, torch.Tensor) and t.numel() * t.element_size() > read_whole \
             and not t.is_inference():
         return ("version", str(t.dtype), tuple(t.shape), value._version)   # (detach() shares the counter)
     return fingerprint_keys([t])[0]
