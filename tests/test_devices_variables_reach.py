@@ -149,12 +149,13 @@ def test_retained_gradients_generators_and_odd_tensors():
     started = batches()
     next(started)
     csr = torch.eye(10).to_sparse_csr()
-    ns = {"y": y, "started": started, "fresh": batches(),
+    # x is listed: y's graph keeps it (and its gradient) alive, which would be y's memory otherwise.
+    ns = {"x": x, "y": y, "started": started, "fresh": batches(),
           "csr": csr, "c": torch.ones(10, dtype=torch.complex128),
           "flags": torch.ones(10, dtype=torch.bool), "none": torch.zeros(0),
           "nested": torch.nested.nested_tensor([torch.ones(3, 4), torch.ones(5, 4)], layout=torch.jagged),
           "view": torch.zeros(10, 1).expand(10, 1000)}
-    assert rows(ns) == {"y": 800, "started": 4000, "c": 160,
+    assert rows(ns) == {"x": 800, "y": 800, "started": 4000, "c": 160,
                         "csr": storage_bytes(csr.crow_indices(), csr.col_indices(), csr.values()),
                         "flags": 10, "nested": 128, "view": 40}
     assert next(started) == 0       # the scan read the generator's locals, it did not advance it

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Gpu", "visible_gpus", "available_devices", "parse_device", "default_device", "current_device",
     "set_current_device", "torch_cuda_initialized", "normalize_bus_id", "multiprocessors", "mps_available",
-    "torch_cpu_only", "cpu_only_note",
+    "torch_cpu_only", "cpu_only_note", "unchecked_gpu", "bounded_gpus",
 ]
 
 
@@ -227,6 +227,8 @@ def visible_gpus(environ: dict | None = None) -> list[Gpu]:
     process environment, the answer is kept while what decides it is unchanged
     (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``, whether CUDA is initialised,
     the NVML library), so a cell magic pays microseconds, not an NVML round.
+    While an NVML reading is stuck (:func:`.nvml.stuck_note`: a wedged driver),
+    NVML is not asked: the GPUs are those torch knows, as without NVML.
     """
     global _visible_cache
     if environ is not None:
@@ -235,6 +237,8 @@ def visible_gpus(environ: dict | None = None) -> list[Gpu]:
            torch_cuda_initialized(), nvml.generation)
     cached = _visible_cache
     if cached is None or cached[0] != key:
+        if nvml.stuck_note() is not None:   # asking would hang this thread too; not kept for later
+            return _torch_only_gpus()
         cached = _visible_cache = (key, _discover(os.environ))
     return list(cached[1])
 
@@ -357,6 +361,27 @@ def parse_device(spec, gpus: list[Gpu] | None = None) -> str:
                               choices())
         return f"cuda:{int(index)}"
     raise usage_error(f"unknown device {shown}", choices())
+
+
+def unchecked_gpu(spec) -> str | None:
+    """The GPU ``spec`` names (``cuda:N``), not checked against the GPUs there are: for when they cannot
+    be listed (the driver does not answer). None where ``spec`` names no GPU."""
+    text = str(spec).strip().lower()
+    if text in ("cuda", "gpu"):
+        picked = session.picked_device()
+        return picked if picked and picked.startswith("cuda:") else "cuda:0"
+    index = text[5:] if text.startswith("cuda:") else text
+    return f"cuda:{int(index)}" if index.isdigit() else None
+
+
+def bounded_gpus() -> tuple[list[Gpu], str | None]:
+    """:func:`visible_gpus` read in a thread waited for at most :data:`.nvml.READ_TIMEOUT` seconds:
+    ``(gpus, None)``, or ``([], note)`` where the driver did not answer (or an earlier reading is
+    still stuck)."""
+    try:
+        return nvml.bounded(visible_gpus, what="listing the GPUs"), None
+    except nvml.NvmlTimeout as exc:
+        return [], str(exc)
 
 
 def _shown(spec, most: int = 60) -> str:

@@ -5,6 +5,9 @@
 and torch, and every CUDA attribute through pycuda on request. Everything
 comes from NVML and psutil, so nothing here initialises CUDA; torch's
 allocator figures (:func:`.memory.torch_allocator`) join once the user has.
+Every NVML figure is read at once by :func:`read_nvml`, in a thread waited
+for at most :data:`.nvml.READ_TIMEOUT` seconds: a wedged driver leaves the
+report with what needs no NVML, and a note.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import logging
 import platform
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import nvml
@@ -30,19 +34,69 @@ from .memory import torch_allocator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["device_report", "gpu_facts", "cpu_facts", "system_facts", "prime_cpu_utilisation", "cpu_utilisation",
-           "cpu_name"]
+__all__ = ["device_report", "NvmlReading", "read_nvml", "gpu_facts", "cpu_facts", "system_facts",
+           "prime_cpu_utilisation", "cpu_utilisation", "cpu_name"]
 
 _OTHER_DEVICES = {"meta": "meta tensors (shapes only, no storage)", "mps": "Apple Metal"}
 
 
-def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
+@dataclass
+class NvmlReading:
+    """Everything ``%gpuinfo`` reads from NVML, read at once (:func:`read_nvml`).
+
+    ``gpus`` the visible GPUs, ``facts`` each one's :func:`gpu_facts` by device name,
+    ``system`` the driver's versions and NVML's state, ``notes`` why GPUs are missing;
+    ``hung`` the note where the driver did not answer (then all of them are empty).
+    """
+    gpus: list[Gpu] = field(default_factory=list)
+    facts: dict[str, dict] = field(default_factory=dict)
+    system: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    hung: str | None = None
+
+
+def read_nvml() -> NvmlReading:
+    """Read every NVML figure ``%gpuinfo`` shows, in a thread waited for at most :data:`.nvml.READ_TIMEOUT`
+    seconds (:func:`.nvml.bounded`); where the driver does not answer, an empty reading with the note."""
+    try:
+        return nvml.bounded(_read_nvml, what="%gpuinfo's NVML reading")
+    except nvml.NvmlTimeout as exc:
+        note = str(exc)
+        return NvmlReading(system={"driver_version": None, "cuda_driver_version": None, "nvml": note},
+                           notes=[note], hung=note)
+
+
+def _read_nvml() -> NvmlReading:
+    # NVML only: no torch import here (a first import takes seconds, and would count against the bound).
+    gpus = visible_gpus()
+    reason = nvml.unavailable_reason()
+    system = {"driver_version": None, "cuda_driver_version": None, "nvml": reason or "ok"}
+    notes = []
+    if reason is not None:
+        notes.append(f"{reason}; GPU facts come from NVML (nvidia-ml-py and an NVIDIA driver)")
+    else:
+        if not gpus:
+            notes.append(f"NVML sees no GPU visible to this process ({visible_devices_setting()})")
+        nv = nvml.lib()
+        system["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))
+        cuda = nvml.query(nv.nvmlSystemGetCudaDriverVersion)
+        if cuda:
+            system["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+    facts = {gpu.device: gpu_facts(gpu, gpus) if reason is None else
+             {"device": gpu.device, "name": gpu.name, "uuid": gpu.uuid} for gpu in gpus}
+    return NvmlReading(gpus, facts, system, notes)
+
+
+def device_report(device: str | None = None, with_pycuda: bool = False,
+                  reading: NvmlReading | None = None) -> dict:
     """``{"system": {...}, "devices": [cpu facts, cuda:0 facts, ...], "notes": [...]}``.
 
     ``system["current_device"]`` is the device later gpumagic cells run on.
 
     ``device`` (a canonical name from :func:`~.discovery.parse_device`) keeps one
     device; ``with_pycuda`` adds every CUDA attribute under ``"attributes"``.
+    ``reading`` is NVML's part, read by :func:`read_nvml` where not given: where
+    the driver did not answer, the report holds what needs no NVML and says so.
 
     Examples
     --------
@@ -50,30 +104,26 @@ def device_report(device: str | None = None, with_pycuda: bool = False) -> dict:
     >>> [d["device"] for d in report["devices"]]     # doctest: +SKIP
     ['cpu', 'cuda:0', 'cuda:1']
     """
-    gpus = visible_gpus()
-    system = system_facts()
+    reading = read_nvml() if reading is None else reading
+    gpus = reading.gpus
+    system = system_facts(reading)
     system["current_device"] = default_device(gpus)   # where gpumagic cells run: what the picker shows
     found: list[dict] = []
-    notes: list[str] = []
-    if not nvml.available():
-        notes.append(f"{nvml.unavailable_reason()}; GPU facts come from NVML (nvidia-ml-py and an NVIDIA driver)")
-    elif not gpus:
-        notes.append(f"NVML sees no GPU visible to this process ({visible_devices_setting()})")
-    elif torch_cpu_only():
+    notes = list(reading.notes)
+    if gpus and not reading.notes and torch_cpu_only():
         notes.append(cpu_only_note())
     if device in (None, "cpu"):
         found.append(cpu_facts())
     for gpu in gpus:
         if device in (None, gpu.device):
-            facts = gpu_facts(gpu, gpus) if nvml.available() else {"device": gpu.device, "name": gpu.name,
-                                                                   "uuid": gpu.uuid}
+            facts = dict(reading.facts[gpu.device])
             if torch_cuda_initialized():  # the allocator rows: None (n/a) where torch cannot answer
                 facts["torch_allocated"], facts["torch_reserved"], facts["torch_peak"] = torch_allocator(gpu.index)
             found.append(facts)
     if device in ("meta", "mps"):
         found.append({"device": device, "name": _OTHER_DEVICES[device]})
     report = {"system": system, "devices": found, "notes": notes}
-    if with_pycuda:
+    if with_pycuda and reading.hung is None:   # pycuda would ask the same driver (in a subprocess, bounded)
         _add_pycuda(report)
     return report
 
@@ -190,16 +240,11 @@ def _nvlink_peers(nv, handle, gpus: list[Gpu]) -> dict | None:
     return peers
 
 
-def system_facts() -> dict:
-    """Driver and CUDA versions (NVML) and torch's version (imports torch, not CUDA)."""
-    facts: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None,
-                             "nvml": nvml.unavailable_reason() or "ok"}
-    if nvml.available():
-        nv = nvml.lib()
-        facts["driver_version"] = nvml.text(nvml.query(nv.nvmlSystemGetDriverVersion))
-        cuda = nvml.query(nv.nvmlSystemGetCudaDriverVersion)
-        if cuda:
-            facts["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+def system_facts(reading: NvmlReading | None = None) -> dict:
+    """Driver and CUDA versions (NVML, from ``reading``: read now where not given) and torch's version
+    (imports torch, not CUDA)."""
+    reading = read_nvml() if reading is None else reading
+    facts: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "nvml": "ok", **reading.system}
     import torch
     facts["torch_version"] = torch.__version__
     facts["torch_cuda_version"] = torch.version.cuda

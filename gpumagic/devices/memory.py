@@ -6,8 +6,10 @@ kernel has already initialised CUDA; :func:`device_memory` reads one device.
 Which variables hold the memory, and freeing it, live in :mod:`.variables`.
 
 Nothing here initialises CUDA or creates a CUDA context: GPU figures come from
-NVML, and torch is asked only about devices it has already set up. Nothing
-here needs IPython.
+NVML, and torch is asked only about devices it has already set up. A
+snapshot reads its GPUs in a thread waited for at most
+:data:`.nvml.READ_TIMEOUT` seconds (a wedged driver leaves them n/a, with a
+note). Nothing here needs IPython.
 """
 from __future__ import annotations
 
@@ -276,7 +278,8 @@ def _gpu_memory(gpu, processes: bool = True) -> DeviceMemory:
 
 
 def targets(device: str | None, gpus) -> list:
-    """``"cpu"``, ``"mps"`` and Gpu objects for ``device`` (None: every device)."""
+    """``"cpu"``, ``"mps"`` and Gpu objects for ``device`` (None: every device); a GPU not among
+    ``gpus`` (unlisted: the driver did not answer) has none."""
     if device is None:
         names = ["cpu"] + [g.device for g in gpus]
         if _torch() is not None and devices.mps_available():
@@ -284,11 +287,14 @@ def targets(device: str | None, gpus) -> list:
     else:
         names = [device]
     by_name = {g.device: g for g in gpus}
-    return [by_name.get(n, n) for n in names]
+    return [by_name.get(n, n) for n in names if n in by_name or not n.startswith("cuda:")]
 
 
-def snapshot(device: str | None = None, gpus=None) -> MemorySnapshot:
+def snapshot(device: str | None = None, gpus=None, hung: str | None = None) -> MemorySnapshot:
     """Memory of ``device`` (canonical name, e.g. ``"cuda:0"``) or of every device.
+
+    ``hung``: the note where listing the GPUs timed out (:func:`.nvml.bounded`); the
+    GPUs' own figures are read in one bounded reading too.
 
     In a notebook::
 
@@ -297,8 +303,16 @@ def snapshot(device: str | None = None, gpus=None) -> MemorySnapshot:
         snapshot("cpu").rows[0].process  # this kernel's resident memory
     """
     gpus = devices.visible_gpus() if gpus is None else gpus
-    rows = [device_memory(t) for t in targets(device, gpus)]
-    notes = [r.note for r in rows if r.note]
+    chosen = targets(device, gpus)
+    on_gpus = [t for t in chosen if not isinstance(t, str)]
+    try:
+        read = nvml.bounded(lambda: {t.device: device_memory(t) for t in on_gpus}, what="reading GPU memory") \
+            if on_gpus else {}
+    except nvml.NvmlTimeout as exc:
+        hung = str(exc)
+        read = {t.device: DeviceMemory(t.device, t.name, process_note="no answer") for t in on_gpus}
+    rows = [read[t.device] if not isinstance(t, str) else device_memory(t) for t in chosen]
+    notes = [r.note for r in rows if r.note] + ([hung] if hung else [])
     has_gpu = any(r.device.startswith("cuda:") for r in rows)
     if has_gpu and not devices.torch_cuda_initialized():
         notes.append("torch allocator figures appear once this kernel uses CUDA "
@@ -306,7 +320,7 @@ def snapshot(device: str | None = None, gpus=None) -> MemorySnapshot:
     if any(r.process_note == "pid namespace" for r in rows):
         notes.append("this kernel's GPU share is n/a: NVML lists processes by pids "
                      "of another pid namespace (a container).")
-    if device is None and not gpus:
+    if device is None and not gpus and not hung:
         # With NVML working, the environment hid the GPUs (an empty or invalid CUDA_VISIBLE_DEVICES).
         reason = nvml.unavailable_reason() or devices.visible_devices_setting()
         notes.append(f"no GPU visible: {reason}.")

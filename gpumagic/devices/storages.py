@@ -9,7 +9,9 @@ hold what they will use: a function its closure cells, defaults and
 attributes (never its globals: that is the notebook itself), a bound method
 its ``__self__``, a ``functools.partial`` its function and arguments; a
 class defined in the notebook its class attributes; a kept error its
-traceback's frames. numpy arrays count their buffer on the cpu. Nothing
+traceback's frames. A tensor with a ``grad_fn`` holds its autograd graph's saved
+tensors (:mod:`.autograd_graph`): they go to ``via_graph``, part ``autograd``.
+numpy arrays count their buffer on the cpu. Nothing
 here imports torch or numpy: the caller passes torch in, and numpy is read
 only where the notebook imported it.
 """
@@ -25,26 +27,37 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from . import autograd_graph
+from .autograd_graph import GraphWalk
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Collector"]
+__all__ = ["Collector", "AUTOGRAD"]
+
+# The part of what an autograd graph keeps alive: tensors saved for backward (activations), the
+# leaves it accumulates into, what a custom Function's ctx holds.
+AUTOGRAD = "autograd"
 
 
 class Collector:
     """Storages one variable reaches: key -> (device, bytes, part).
 
     ``via_optimizer`` holds the parameters (and gradients) an optimizer reaches
-    through its param groups: they count for it only where no variable holds them.
-    ``skip`` holds ids of objects the walk never enters.
+    through its param groups, ``via_graph`` what the autograd graphs of the tensors
+    reached keep alive (at most ``max_nodes`` nodes read): both count for it only
+    where no variable holds them. ``skip`` holds ids of objects the walk never enters.
     """
 
     def __init__(self, torch, max_depth: int, max_items: int, slots: dict | None = None,
-                 skip: frozenset[int] = frozenset()):
+                 skip: frozenset[int] = frozenset(), max_nodes: int | None = None):
         self.torch = torch
         self.max_depth = max_depth
         self.max_items = max_items
         self.storages: dict[tuple, tuple[str, int, str]] = {}
         self.via_optimizer: dict[tuple, tuple[str, int, str]] = {}
+        self.via_graph: dict[tuple, tuple[str, int, str]] = {}
+        self.graph = GraphWalk(torch, autograd_graph.MAX_NODES if max_nodes is None else max_nodes)
+        self._roots: list = []         # (grad_fn, depth) of tensors reached, read after the objects: see walk()
         # ids of objects never entered: the namespace itself and what holds it (the shell), whose
         # contents are every variable's, listed under their own names
         self.visited: set[int] = set(skip)
@@ -60,8 +73,14 @@ class Collector:
         # ndarray's own getters, looked up once: a subclass's properties of the same names are not asked
         self._array_get = {k: vars(self.ndarray)[k] for k in _ARRAY_GETTERS} if numpy is not None else {}
 
+    @property
+    def graph_truncated(self) -> bool:
+        """True where an autograd graph had more than ``max_nodes`` nodes: the rest were not read."""
+        return self.graph.truncated
+
     def add_tensor(self, t, part: str, into: dict | None = None) -> None:
-        into = self.storages if into is None else into
+        if into is None:
+            into = self.via_graph if part == AUTOGRAD else self.storages
         if isinstance(t, self.uninitialized):  # a lazy module's parameter: no memory before its first call
             return
         device = t.device
@@ -138,10 +157,48 @@ class Collector:
         # A tensor subclass's __torch_function__ is notebook code, run by every attribute read
         # (t.device, t.grad): switched off for the walk, the reads answer what torch holds.
         plain = getattr(self.torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
-        with plain():
-            self._reach(obj, depth, part)
-            while self._queue:
-                self._visit(*self._queue.popleft())
+        try:
+            with plain():
+                self._reach(obj, depth, part)
+                # Graphs are read once the objects are (a graph adds objects, never nests a graph's
+                # walk in another's: a deep graph cannot exhaust the stack).
+                while self._queue or self._roots:
+                    while self._queue:
+                        self._visit(*self._queue.popleft())
+                    if self._roots:
+                        self._graph(*self._roots.pop())
+        finally:
+            self._roots.clear()
+            self.graph.release()   # the nodes read: nothing of a graph stays alive through the report
+
+    def _graph(self, grad_fn, depth: int) -> None:
+        """What the graph under ``grad_fn`` keeps alive, into ``via_graph`` (part ``autograd``)."""
+        for kind, value in self.graph.held(grad_fn):
+            if kind == "tensor":
+                self.add_tensor(value, AUTOGRAD)
+                grad = self._grad(value)
+                if grad is not None:
+                    self.add_tensor(grad, AUTOGRAD)
+            else:
+                self._reach(value, depth + 1, AUTOGRAD)
+
+    def _grad(self, t):
+        """``t.grad`` where torch keeps one (a leaf's, or a tensor that retains it)."""
+        try:
+            return t.grad if t.is_leaf or t.retains_grad else None
+        except Exception:   # a wrapper subclass without autograd metadata
+            logger.debug("a %s has no gradient to read", type(t).__name__, exc_info=True)
+            return None
+
+    def _add_graph_root(self, t, depth: int) -> None:
+        """A non-leaf tensor keeps its graph: read it once the walk's objects are read."""
+        try:
+            grad_fn = t.grad_fn
+        except Exception:
+            logger.debug("a %s has no grad_fn to read", type(t).__name__, exc_info=True)
+            return
+        if grad_fn is not None:
+            self._roots.append((grad_fn, depth))
 
     def _reach(self, obj, depth: int, part: str) -> None:
         """A tensor is counted now; a holder is read once its turn comes."""
@@ -150,8 +207,15 @@ class Collector:
         cls = type(obj)
         if issubclass(cls, self.torch.Tensor):
             self.add_tensor(obj, part)
-            if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
-                self.add_tensor(obj.grad, "grads")
+            # One read tells both (a leaf is a tensor without grad_fn): this runs for every tensor reached.
+            grad_fn = obj.grad_fn
+            if grad_fn is None:
+                grad = obj.grad
+            else:
+                grad = obj.grad if obj.retains_grad else None
+                self._roots.append((grad_fn, depth))   # it keeps its graph: read once the objects are
+            if grad is not None:
+                self.add_tensor(grad, AUTOGRAD if part == AUTOGRAD else "grads")
         elif self.ndarray is not None and issubclass(cls, self.ndarray):
             self.add_array(obj, depth, "arrays" if part == "tensors" else part)
         elif id(cls) not in _ATOMS and depth <= self.max_depth and id(obj) not in self.visited:
@@ -164,10 +228,10 @@ class Collector:
         torch = self.torch
         cls = type(obj)
         if issubclass(cls, torch.nn.Module):
-            self._module(obj, depth)
+            self._module(obj, depth, part)
             return
         if issubclass(cls, torch.optim.Optimizer):
-            self._optimizer(obj, depth)
+            self._optimizer(obj, depth, part)
             return
         items: Iterable
         if issubclass(cls, dict):
@@ -217,7 +281,7 @@ class Collector:
                 break
             self._reach(item, depth + 1, part)
 
-    def _module(self, module, depth: int) -> None:
+    def _module(self, module, depth: int, part: str = "tensors") -> None:
         # The registries themselves, read from each module's __dict__: parameters(), buffers() and
         # modules() are methods a subclass may override (notebook code), and they raise on a module
         # whose __init__ never called Module.__init__, whose tensors are memory all the same.
@@ -242,14 +306,15 @@ class Collector:
             others.extend(v for v in self._attributes(m, type(m)) if not any(v is r for r in registries))
         self.visited.update(seen)
         for p in params:
-            self.add_tensor(p, "params")
+            self.add_tensor(p, _within(part, "params"))
         for b in buffers:
-            self.add_tensor(b, "buffers")
+            self.add_tensor(b, _within(part, "buffers"))
+            self._add_graph_root(b, depth)   # a buffer assigned an undetached result keeps its graph
         for p in params:
             if p.grad is not None:
-                self.add_tensor(p.grad, "grads")
+                self.add_tensor(p.grad, _within(part, "grads"))
         for value in others:
-            self._reach(value, depth + 1, "tensors")
+            self._reach(value, depth + 1, _within(part, "tensors"))
 
     def _registries(self, m, registries: list) -> tuple[list, list, list]:
         """``m``'s own parameters, buffers and submodules.
@@ -268,25 +333,26 @@ class Collector:
                          type(m).__name__, exc_info=True)
             return [], [], []
 
-    def _optimizer(self, opt, depth: int) -> None:
+    def _optimizer(self, opt, depth: int, part: str = "tensors") -> None:
         # Its own memory is the state; its parameters belong to their model (see variable_memory).
         # state and param_groups come from its __dict__ (a wrapper may make them properties); its
         # other attributes are read too: a wrapper keeps the optimizer it wraps there.
         attrs = _instance_dict(opt)
         for state in list(_dict_values(attrs.get("state"))):
             for value in (_dict_values(state) if issubclass(type(state), dict) else (state,)):
-                self._reach(value, depth + 1, "state")
+                self._reach(value, depth + 1, _within(part, "state"))
+        via = None if part == AUTOGRAD else self.via_optimizer   # a graph's: via_graph already
         groups: Any = attrs.get("param_groups")
         for group in list(groups) if issubclass(type(groups), list) else ():
             params = dict.get(group, "params", ()) if issubclass(type(group), dict) else ()
             for p in list(params) if issubclass(type(params), (list, tuple)) else ():
                 if issubclass(type(p), self.torch.Tensor):
-                    self.add_tensor(p, "params", self.via_optimizer)
+                    self.add_tensor(p, _within(part, "params"), via)
                     if p.grad is not None:
-                        self.add_tensor(p.grad, "grads", self.via_optimizer)
+                        self.add_tensor(p.grad, _within(part, "grads"), via)
         for key, value in attrs.items():
             if key not in ("state", "param_groups"):
-                self._reach(value, depth + 1, "tensors")
+                self._reach(value, depth + 1, _within(part, "tensors"))
 
     def _attributes(self, obj, cls) -> list:
         """The values in ``obj.__dict__`` and its slots, read without running the notebook's code.
@@ -312,6 +378,12 @@ class Collector:
             except AttributeError:  # a slot never set
                 pass
         return values
+
+
+def _within(part: str, kind: str) -> str:
+    """The part of a module's or optimizer's ``kind`` of tensor: ``autograd`` inside what a graph holds
+    (a checkpointed block's module), so it counts only where no variable holds it."""
+    return AUTOGRAD if part == AUTOGRAD else kind
 
 
 def _instance_dict(obj) -> dict:

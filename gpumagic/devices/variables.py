@@ -19,8 +19,9 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from ..display import fmt_bytes, html_table, text_table
+from . import autograd_graph
 from . import discovery as devices
-from .storages import Collector
+from .storages import AUTOGRAD, Collector
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def _is_user_variable(name: str, hidden) -> bool:
 
 def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_depth: int = 6,
                     max_items: int = 100_000, history: dict | None = None, holders=(),
-                    last_error: BaseException | None = None) -> VarsReport:
+                    last_error: BaseException | None = None, max_nodes: int | None = None) -> VarsReport:
     """Which variables in ``user_ns`` hold tensor memory, on which device, largest first.
 
     Tensors, modules (parameters, buffers, gradients, tensors kept as plain
@@ -138,7 +139,13 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
     deques, objects' attributes and slots, started generators' locals and
     kept errors' frames (``max_depth`` levels deep, ``max_items`` per
     container); numpy arrays on the cpu (a ``torch.from_numpy`` tensor and
-    its array are one storage).
+    its array are one storage). A result with a ``grad_fn`` (a loss kept
+    before ``backward()``) holds what its autograd graph saved for backward,
+    part ``autograd`` (at most ``max_nodes`` nodes read per variable, default
+    :data:`.autograd_graph.MAX_NODES`; saved
+    tensors are read as torch stores them, no unpack hook is run); what
+    the graph holds of other variables (the model's weights, the batch)
+    counts for those variables alone.
     ``history`` (IPython's ``Out``) and ``last_error`` (``sys.last_value``:
     its traceback's frames keep their locals) are not variables, but a note
     says what they alone hold. Each row counts every storage
@@ -162,8 +169,9 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
     torch = _torch()
     if torch is None:  # no torch imported, so no tensors exist
         return VarsReport([], {})
+    max_nodes = autograd_graph.MAX_NODES if max_nodes is None else max_nodes
     skip = _skip(user_ns, history, holders)
-    per_var, owners, unread = _collect(torch, user_ns, hidden, max_depth, max_items, skip)
+    per_var, owners, unread = _collect(torch, user_ns, hidden, max_depth, max_items, skip, max_nodes)
     rows: list[VarMemory] = []
     counted: dict[tuple, tuple[str, int]] = {}
     for name, (type_name, collector) in per_var.items():
@@ -192,9 +200,27 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
                      "the log of gpumagic.devices.variables says why).")
     if any(r.truncated for r in rows):
         notes.append(f"(first items only): a container had more than {max_items} items; the rest were not read.")
+    notes += _graph_notes(per_var, rows, max_nodes)
     notes += _kept_notes(history, last_error, device, lambda: owners, _skip(user_ns, None, holders))
     totals = _totals(counted)
     return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes)
+
+
+def _graph_notes(per_var: dict, rows: list[VarMemory], max_nodes: int) -> list[str]:
+    """What ``autograd`` means where a row has it, and which graphs were too big to read whole."""
+    notes = []
+    if any(r.parts.get(AUTOGRAD) for r in rows):
+        notes.append("autograd: what a result's graph keeps for backward (activations; weights and inputs "
+                     "once no variable holds them); backward() or `del` of the result frees it, and "
+                     "results computed under torch.no_grad() keep none.")
+    cut = sorted(name for name, (_, collector) in per_var.items() if collector.graph_truncated)
+    if cut:
+        notes.append(f"autograd graphs of {', '.join(cut)}: more than {max_nodes:,} nodes; the saved tensors "
+                     "of the rest were not counted.")
+    if any(not collector.graph.readable and collector.graph.saw_saved for _, collector in per_var.values()):
+        notes.append("autograd: this torch cannot show a saved tensor without unpacking it (which may run "
+                     "notebook code), so what graphs saved for backward is not counted.")
+    return notes
 
 
 def _skip(user_ns: dict | None, history: dict | None, holders) -> frozenset[int]:
@@ -209,7 +235,8 @@ def _skip(user_ns: dict | None, history: dict | None, holders) -> frozenset[int]
     return frozenset(id(o) for o in (user_ns, history, shell, *holders) if o is not None)
 
 
-def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip: frozenset[int] = frozenset()):
+def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip: frozenset[int] = frozenset(),
+             max_nodes: int | None = None):
     """Each listed variable's collector, which variables reach each storage, and the names
     whose walk failed (``name (ErrorType)``)."""
     hidden = set(hidden)
@@ -222,7 +249,7 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
             continue
         collector = walked.get(id(value))
         if collector is None:
-            collector = Collector(torch, max_depth, max_items, slots, skip)
+            collector = Collector(torch, max_depth, max_items, slots, skip, max_nodes)
             try:
                 collector.walk(value)
             except Exception as exc:  # an odd object must not spoil the report; a note names it
@@ -230,23 +257,26 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
                 unread.append(f"{name} ({type(exc).__name__})")
                 continue
             walked[id(value)] = collector
-        if collector.storages or collector.via_optimizer:
+        if collector.storages or collector.via_optimizer or collector.via_graph:
             per_var[name] = (type(value).__name__, collector)
     owners: dict[tuple, set[str]] = {}
     for name, (_, collector) in per_var.items():
         for key in collector.storages:
             owners.setdefault(key, set()).add(name)
     # An optimizer's parameters count for it only where no variable holds them (`del model`
-    # leaves them, and their gradients, alive through the optimizer alone).
+    # leaves them, and their gradients, alive through the optimizer alone). So does what an
+    # autograd graph keeps: a loss's activations are its own, the model's weights and the
+    # batch it saved are the model's and the batch's while those variables hold them.
     orphans: dict[tuple, set[str]] = {}
     for name, (_, collector) in per_var.items():
-        for key in collector.via_optimizer:
+        for key in (*collector.via_optimizer, *collector.via_graph):
             if key not in owners:
                 orphans.setdefault(key, set()).add(name)
     for name, (_, collector) in per_var.items():
-        for key, record in collector.via_optimizer.items():
-            if name in orphans.get(key, ()):
-                collector.storages.setdefault(key, record)
+        for held in (collector.via_graph, collector.via_optimizer):
+            for key, record in held.items():
+                if name in orphans.get(key, ()):
+                    collector.storages.setdefault(key, record)
     for key, names in orphans.items():
         owners[key] = names
     return per_var, owners, unread
@@ -295,10 +325,10 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
         except Exception:
             logger.debug("walking %s for tensors failed", what, exc_info=True)
             continue
-        if collector.storages and held_keys is None:
+        if (collector.storages or collector.via_graph) and held_keys is None:
             held_keys = held()
         kept: dict[str, int] = {}
-        for key, (dev, nbytes, _) in collector.storages.items():
+        for key, (dev, nbytes, _) in {**collector.via_graph, **collector.storages}.items():
             if key not in (held_keys or ()) and (device is None or dev == device):
                 kept[dev] = kept.get(dev, 0) + nbytes
         kept = {d: b for d, b in kept.items() if b}

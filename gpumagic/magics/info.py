@@ -88,8 +88,9 @@ def render_report(report: dict) -> display.Rendered:
               f"torch {system['torch_version']} (CUDA {system.get('torch_cuda_version') or 'none'}), "
               f"CUDA initialised in this kernel: {'yes' if system['cuda_initialized'] else 'no'}")
     attr_rows = _attribute_rows(devs)
-    text = display.text_table(rows, header) + "\n" + footer
-    html = display.html_table(rows, header) + f"<p>{escape(footer)}</p>"
+    # No device to show (a GPU named while the driver does not answer): the footer and the notes alone.
+    text = (display.text_table(rows, header) + "\n" if devs else "") + footer
+    html = (display.html_table(rows, header) if devs else "") + f"<p>{escape(footer)}</p>"
     if attr_rows:
         gpu_header = ["CUDA attribute", *[d["device"] for d in devs if "attributes" in d]]
         text += "\n\n" + display.text_table(attr_rows, gpu_header)
@@ -108,16 +109,22 @@ def _attribute_rows(devs: list[dict]) -> list[list[str]]:
     return [[n, *[str(d["attributes"].get(n, display.NA)) for d in with_attrs]] for n in names]
 
 
-def shown_device(spec) -> str:
+def shown_device(spec, gpus=None, hung: str | None = None) -> str:
     """``spec`` as a canonical device name; errors name every device ``%gpuinfo`` can show.
 
     That is every device a cell can run on, plus GPUs that a CPU-only torch
-    cannot use: they exist, so their facts are shown.
+    cannot use: they exist, so their facts are shown. ``gpus``: the visible GPUs
+    (read now where not given). Where the driver did not answer (``hung``), a GPU
+    cannot be checked: ``cuda:N`` is kept as given, and the report shows no column
+    for it, only the note.
     """
     from ..devices import available_devices, parse_device, visible_gpus
-    from ..devices.discovery import torch_cpu_only
+    from ..devices.discovery import torch_cpu_only, unchecked_gpu
     from ..errors import UsageError, usage_error
-    gpus = visible_gpus()
+    gpus = visible_gpus() if gpus is None else gpus
+    gpu = unchecked_gpu(spec) if hung is not None else None
+    if gpu is not None:
+        return gpu
     try:
         return parse_device(spec, gpus)
     except UsageError as exc:
@@ -150,7 +157,9 @@ class InfoMagics(Magics):
 
         Queries go through NVML and never initialise CUDA in the kernel. In a
         notebook a device picker follows the table: the device picked is where
-        later gpumagic cells run (``gpumagic.current_device()``).
+        later gpumagic cells run (``gpumagic.current_device()``). NVML is read in
+        a thread waited for at most a few seconds: a wedged driver leaves the CPU
+        and a note saying so, not a hung notebook.
 
         Examples
         --------
@@ -160,11 +169,12 @@ class InfoMagics(Magics):
             %gpuinfo cuda:1 --all
             facts = %gpuinfo --json
         """
-        from ..devices.facts import device_report
+        from ..devices.facts import device_report, read_nvml
 
         args = parse(self.gpuinfo, line)
-        device = shown_device(args.device) if args.device is not None else None
-        report = device_report(device, with_pycuda=args.all_attributes)
+        reading = read_nvml()   # every NVML figure, bounded; nothing below asks NVML again
+        device = shown_device(args.device, reading.gpus, reading.hung) if args.device is not None else None
+        report = device_report(device, with_pycuda=args.all_attributes, reading=reading)
         if args.json:
             return report
         rendered = render_report(report)
@@ -174,10 +184,11 @@ class InfoMagics(Magics):
             from ..widgets.picker import DevicePicker, close_all_pickers
             session.register_closer("pickers", close_all_pickers)
             show(rendered)
-            show(DevicePicker(device_report()["devices"] if device else report["devices"]).widget)
+            listed = device_report(reading=reading)["devices"] if device else report["devices"]
+            show(DevicePicker(listed, gpus=reading.gpus).widget)
         else:
             # No picker here: say where cells run and how to change it.
             print(rendered.text)
             from ..devices import available_devices
             print(f"gpumagic cells run on {report['system']['current_device']}; "
-                  f"gpumagic.set_current_device(DEVICE) changes it ({', '.join(available_devices())}).")
+                  f"gpumagic.set_current_device(DEVICE) changes it ({', '.join(available_devices(reading.gpus))}).")

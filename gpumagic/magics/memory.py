@@ -35,9 +35,13 @@ def memory_devices(gpus) -> list[str]:
     return names
 
 
-def check_args(args, gpus) -> str | None:
-    """Validate parsed arguments; returns the canonical device (None: all devices)."""
+def check_args(args, gpus, hung: str | None = None) -> str | None:
+    """Validate parsed arguments; returns the canonical device (None: all devices).
+
+    ``hung``: the note where the GPUs could not be listed; a GPU named then is taken unchecked.
+    """
     from ..devices import parse_device
+    from ..devices.discovery import unchecked_gpu
     chosen = [flag for flag in _ACTIONS if getattr(args, flag[2:])]
     if len(chosen) > 1:
         raise usage_error(f"{' and '.join(chosen)} cannot be combined; pick one", _ACTIONS)
@@ -51,6 +55,8 @@ def check_args(args, gpus) -> str | None:
             raise usage_error(f"--interval {_INTERVAL_RANGE}, not {args.interval}", _INTERVAL_CHOICES)
     if args.device is None:
         return None
+    if hung is not None and unchecked_gpu(args.device) is not None:
+        return unchecked_gpu(args.device)
     choices = memory_devices(gpus)
     try:
         device = parse_device(args.device, gpus)
@@ -83,18 +89,27 @@ def _show(shell, result) -> None:
         print(result.text())
 
 
-def watch(shell, device: str | None, gpus, interval: float):
-    """Start the gauges (notebook) or print one snapshot (terminal); returns the monitor or None."""
+def watch(shell, device: str | None, gpus, interval: float, hung: str | None = None):
+    """Start the gauges (notebook) or print one snapshot (terminal); returns the monitor or None.
+
+    ``hung``: the note where the GPUs could not be listed (the driver did not answer): the
+    gauges are those that need no NVML. The first reading is bounded too (:class:`.Monitor`).
+    """
     from ..devices import memory
     if not display.widgets_supported(shell):
         print("Live gauges need a notebook (Jupyter with ipywidgets); here is one snapshot:")
-        print(memory.snapshot(device, gpus).text())
+        print(memory.snapshot(device, gpus, hung).text())
         return None
     from IPython.display import display as show
 
     from ..widgets import monitor
-    mon = monitor.start(memory.targets(device, gpus), interval=interval)
-    show(mon.box)
+    targets = memory.targets(device, gpus)
+    mon = monitor.start(targets, interval=interval) if targets else None
+    if mon is not None:
+        show(mon.box)
+    for note in (hung, mon and mon.stalled):
+        if note:
+            print(f"note: {note}")
     return mon
 
 
@@ -137,11 +152,13 @@ class MemoryMagics(Magics):
             %gpumem --free             # gc + empty_cache, and what it gave back
             held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
-        from ..devices import memory, variables, visible_gpus
+        from ..devices import memory, variables
+        from ..devices.discovery import bounded_gpus
         args = parse(self.gpumem, line)
         # --stop asks NVML nothing (unless a device is named): with a wedged driver it must still stop the gauges.
-        gpus = [] if args.stop and args.device is None else visible_gpus()
-        device = check_args(args, gpus)
+        # Elsewhere the GPUs are listed in a bounded reading: a wedged driver leaves them out, with a note.
+        gpus, hung = ([], None) if args.stop and args.device is None else bounded_gpus()
+        device = check_args(args, gpus, hung)
 
         if args.stop:
             stopped = _stop_monitor()
@@ -149,7 +166,7 @@ class MemoryMagics(Magics):
             return None
         if args.watch:
             from ..widgets.monitor import DEFAULT_INTERVAL
-            watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL)
+            watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL, hung)
             return None
         if args.vars:
             # The shell holds every variable (user_ns, Out, `_`): through it, `ip = get_ipython()` would list them all.
@@ -162,7 +179,7 @@ class MemoryMagics(Magics):
                                           hidden=self.shell.user_ns_hidden, holders=(self.shell,),
                                           last_error=_last_error())
             return _report(self.shell, freed, args.json)
-        return _report(self.shell, memory.snapshot(device, gpus), args.json)
+        return _report(self.shell, memory.snapshot(device, gpus, hung), args.json)
 
 
 def _last_error() -> BaseException | None:

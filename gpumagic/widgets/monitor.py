@@ -12,17 +12,20 @@ thread is stopped and its gauges closed), :func:`stop` ends it, and
 ``%unload_ext gpumagic`` stops it through :func:`gpumagic.session.register_closer`.
 Stopping waits at most :data:`STOP_TIMEOUT` seconds: a reading that never returns
 (a wedged driver) leaves its daemon thread behind, with a logged warning, instead
-of hanging the kernel.
+of hanging the kernel. The first reading is the thread's too: :meth:`Monitor.start`
+waits for it at most :data:`gpumagic.devices.nvml.READ_TIMEOUT` seconds, then
+leaves the gauges it did not reach n/a and says why in ``stalled``.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ipywidgets import VBox
 
 from .. import session
-from ..devices import memory
+from ..devices import memory, nvml
 from ..display import fmt_bytes
 from .closing import close_tree
 from .gauge import MemoryGauge
@@ -72,6 +75,7 @@ class Monitor:
     times. ``box`` is the widget to display; ``gauges`` maps device names to
     :class:`~gpumagic.widgets.gauge.MemoryGauge`. ``ticks`` counts readings,
     ``errors`` keeps the last few reading errors (the thread never dies of one).
+    ``stalled`` is the note when the first reading did not return in time.
     """
 
     def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True):
@@ -88,6 +92,8 @@ class Monitor:
         self.ticks = 0
         self.errors: list[str] = []
         self.closed = False
+        self.stalled: str | None = None
+        self._first: threading.Event | None = None   # set once the thread's first reading returned
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()
@@ -124,20 +130,38 @@ class Monitor:
             self.ticks += 1
         return changed
 
-    def _run(self) -> None:
+    def _run(self, first: threading.Event) -> None:
+        try:
+            self.tick()   # the gauges show figures before the first interval passes
+        finally:
+            first.set()
         # Waiting on the event, not sleeping, makes stop() take effect at once.
         while not self._stop.wait(self.interval):
             self.tick()
 
     def start(self) -> Monitor:
+        """Start the thread; returns once its first reading is shown, or after
+        :data:`~gpumagic.devices.nvml.READ_TIMEOUT` seconds where it hangs (``stalled`` says so)."""
         if self.closed:
             raise RuntimeError("this monitor was closed; start a new one with gpumagic.widgets.monitor.start")
         if self.running:
             return self
         self._stop.clear()
-        self.tick()  # the gauges show figures before the first interval passes
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        first = self._first = threading.Event()
+        since = time.monotonic()
+        # The first reading runs in the thread too: a wedged driver must not hang the kernel's thread.
+        self._thread = threading.Thread(target=self._run, args=(first,), name=THREAD_NAME, daemon=True)
         self._thread.start()
+        timeout = nvml.READ_TIMEOUT
+        if first.wait(timeout):
+            self.stalled = None
+            return self
+        self.stalled = nvml.timeout_note(timeout)
+        # No new NVML reading starts until this one returns: later gauges or %gpuinfo would hang on it too.
+        nvml.left_stuck(first, since, "the memory gauges' first reading")
+        for gauge in self.gauges.values():
+            if not gauge.sends:   # not reached yet; the thread updates it if the reading returns at last
+                gauge.show(None, None, f"the driver did not answer in {timeout:g} s")
         return self
 
     def stop(self, close: bool = True, timeout: float | None = None) -> bool:
@@ -151,6 +175,8 @@ class Monitor:
         self._stop.set()
         thread = self._thread
         timeout = STOP_TIMEOUT if timeout is None else timeout
+        if self._first is not None and not self._first.is_set():
+            timeout = 0   # its first reading is known to hang: waiting again would only stall the kernel
         stopped = True
         if thread is not None and thread is not threading.current_thread():
             # The stop event wakes the thread at once: waiting on a tick, not on the interval

@@ -61,22 +61,24 @@ class DevicePicker:
     """A dropdown of devices; picking one calls :func:`gpumagic.set_current_device`.
 
     The dropdown also follows the session: if the device is set from code, every
-    open picker shows it.
+    open picker shows it. ``gpus``: the visible GPUs, as ``%gpuinfo`` read them
+    (read now where not given).
     """
 
-    def __init__(self, report_devices: list[dict] | None = None):
+    def __init__(self, report_devices: list[dict] | None = None, gpus: list | None = None):
         import ipywidgets as w
         if report_devices is None:
             from ..devices.facts import device_report
             report_devices = device_report()["devices"]
         # Only what a cell can run on: GPUs a CPU-only torch cannot use are shown by %gpuinfo, not offered.
-        usable = devices.available_devices()
+        gpus = devices.visible_gpus() if gpus is None else gpus
+        usable = devices.available_devices(gpus)
         listed = [d for d in report_devices if d["device"] in usable and d["device"] != "meta"]
         if "mps" in usable and all(d["device"] != "mps" for d in listed):  # %gpuinfo's table has no mps column
             listed.append({"device": "mps", "name": "Apple Metal"})
         listed.append({"device": "meta"})
         options = device_options(listed)
-        current = devices.default_device()
+        current = devices.default_device(gpus)
         if current not in [v for _, v in options]:
             # The picked device is gone (CUDA_VISIBLE_DEVICES changed): show it as cells still
             # see it, not some other device that cells would not run on.
