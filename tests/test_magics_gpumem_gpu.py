@@ -175,3 +175,19 @@ def test_gauge_moves_when_a_tensor_is_allocated(cuda0):
     finally:
         monitor.stop()
     assert monitor.current() is None and not mon.running
+
+
+def test_a_kept_loss_on_the_gpu_holds_its_activations(shell, cuda0):
+    from tests.test_magics_gpumem_autograd import ACTIVATIONS, BATCH, F32, IN, PARAMS, SAVED_BY_TORCH, TRAINING_CELL, B
+    on_gpu = TRAINING_CELL.replace(f"x = torch.randn({B}, {IN})",
+                                   f"model.to('cuda:0')\nx = torch.randn({B}, {IN}, device='cuda:0')")
+    assert on_gpu != TRAINING_CELL
+    result, _, _ = run_cell(shell, on_gpu + SAVED_BY_TORCH)
+    assert result.success, result.error_in_exec
+    assert shell.user_ns["saved_by_torch"] == ACTIVATIONS   # CUDA's forward saves what the CPU's does
+    held = shell.run_line_magic("gpumem", "--vars --json")
+    rows = {v["name"]: v for v in held["variables"]}
+    assert rows["loss"]["parts"] == {"tensors": F32, "autograd": ACTIVATIONS}
+    assert held["totals"] == {"cuda:0": F32 + ACTIVATIONS + PARAMS + BATCH}
+    run_cell(shell, "del loss\nimport gc; gc.collect()")
+    assert all(ref.expired() for ref in shell.user_ns["_kept"])
