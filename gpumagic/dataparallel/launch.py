@@ -17,7 +17,8 @@ their function in place, as ``"ddp"`` does under ``torchrun``
 
 A rank is no notebook, so the Hugging Face Trainer would draw text bars; in a
 notebook kernel's cell rank 0 uses transformers' notebook progress table instead,
-relayed to the cell as a plain cell shows it (:func:`notebook_progress`).
+relayed to the cell as a plain cell shows it (:func:`notebook_progress`); tqdm's bars (accelerate
+loops, Lightning's) show as notebook bars through :mod:`gpumagic.procs.tqdm_relay`, as in any task.
 
 Runs in the workers: no IPython.
 """

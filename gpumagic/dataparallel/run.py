@@ -185,6 +185,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     # kernel counts on nothing (an interrupt anywhere after this ships everything next time).
     pool.held = set()
     t_packed = time.monotonic()
+    notebook = getattr(shell, "kernel", None) is not None
     meta = {
         "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
@@ -196,8 +197,10 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
-        # (notebook: the kernel shows rich output, so rank 0 draws the frameworks' notebook progress)
-        "launch": {**_launch_address(pool, plan), "notebook": getattr(shell, "kernel", None) is not None}
+        # a notebook kernel shows rich output: the ranks' tqdm bars are drawn as HTML (procs.tqdm_relay),
+        # and in launch mode rank 0 draws the frameworks' notebook progress
+        "notebook": notebook,
+        "launch": {**_launch_address(pool, plan), "notebook": notebook}
         if launch else None,
         "relays": relays.found,
         "fsdp": shipment.config if shipment else None,

@@ -23,7 +23,7 @@ from .import_patches import patch_module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["relay_displays", "relay_in", "show"]
+__all__ = ["relay_displays", "relay_in", "show", "shown_rank", "publish"]
 
 # Modules that hold IPython's display functions under their own names.
 _HOLDERS = ("IPython.core.display_functions", "IPython.display", "matplotlib_inline.backend_inline")
@@ -61,6 +61,22 @@ def relay_in(ns: dict) -> None:
 def _task():
     """The context while a task runs in this worker, else None."""
     return _ctx if _ctx is not None and _ctx.in_task else None
+
+
+def shown_rank() -> int | None:
+    """This worker's rank while a task whose output reaches the cell runs, else None."""
+    ctx = _task()
+    return ctx.rank if ctx is not None and ctx.forward else None
+
+
+def publish(data: dict, display_id: str, update: bool) -> bool:
+    """``data`` (MIME type: content) shown in the cell as the display ``display_id``, or (``update``) in
+    place of what it showed; False where the task's output does not reach the cell."""
+    ctx = _task()
+    if ctx is None or not ctx.forward:
+        return False
+    ctx._send(("display", data, {}, {"display_id": display_id}, update))
+    return True
 
 
 def _display(*objs, include=None, exclude=None, metadata=None, transient=None, display_id=None, raw=False,

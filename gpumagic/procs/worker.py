@@ -42,6 +42,7 @@ from .fd_output import DescriptorOutput
 from .follow_kernel import follow
 from .loader_workers import fork_from_here
 from .teardown import die_with_parent, watch_kernel
+from .tqdm_relay import notebook_bars, relay_bars
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
     if not config.remote:   # (an ipyparallel engine relays its own descriptors and displays)
         ctx.capture_descriptors()
         relay_displays(ctx)
+        relay_bars()
     try:
         info = _start_up(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel
@@ -279,7 +281,8 @@ def _text_progress_bars() -> None:
 
     Its widgets would send from the fork on the kernel's sockets, which ipykernel refuses (a warning
     with the whole message in the server's log, each update); the class the notebook's names hold
-    loses its own methods, so it is tqdm's text bar (``tqdm.std.tqdm``, its base) in this process.
+    loses its own methods, so it is tqdm's text bar (``tqdm.std.tqdm``, its base) in this process
+    (drawn as HTML through the relay where a notebook's task shows it: :mod:`.tqdm_relay`).
     """
     notebook = sys.modules.get("tqdm.notebook")
     cls = getattr(notebook, "tqdm_notebook", None)
@@ -368,7 +371,12 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
         if ctx.backend:
             from .process_group import ensure_pool_group
             ensure_pool_group()   # the last cell may have ended the pool's group or left its own
-        result = _task_function(task)(ctx, meta, data)
+        # A notebook kernel's task: its tqdm bars show as a notebook's (tqdm_relay), saying their rank
+        # where every rank's output is shown.
+        notebook, every_rank = (bool(meta.get(k)) for k in ("notebook", "all_output")) if isinstance(meta, dict) \
+            else (False, False)
+        with notebook_bars(notebook, labelled=every_rank):
+            result = _task_function(task)(ctx, meta, data)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         del result, meta, data
         ctx.drain_descriptors()

@@ -340,6 +340,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     relays = Relays()
     meta, data, outgoing = _ship(method, ns, used, loaders, compiled, relays)
     meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
+                 "notebook": getattr(shell, "kernel", None) is not None,   # (tqdm bars as HTML: procs.tqdm_relay)
                  "placement": placement,
                  "set_device_name": device is not None,
                  # (a spawned worker starts with torch's defaults, not the kernel's float64, say)
