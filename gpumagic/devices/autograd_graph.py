@@ -10,7 +10,9 @@ tensor or what a ``saved_tensors_hooks`` pack hook returned, never
 activation checkpointing, the forward pass again). Every attribute is read
 through torch's own C getters found on the node's class, never a Python
 property. Nodes are held only while a walk runs, so nothing stays alive
-after it.
+after it. A C++ node torch shows nothing of (``CppFunction``: TorchScript's
+differentiable graphs, a C++ extension's Function) is counted in ``opaque``,
+for a note: what it saved is not read.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ _PREFIX = "_raw_saved_"
 # A class's MRO and namespace through type's own getters (a metaclass's properties are not asked).
 _MRO = vars(type)["__mro__"]
 _CLASS_DICT = vars(type)["__dict__"]
+_NAME = vars(type)["__name__"]
 
 
 def saved_tensors_readable(torch) -> bool:
@@ -53,6 +56,9 @@ class GraphWalk:
         self.max_nodes = max_nodes
         self.truncated = False
         self.saw_saved = False   # a saved tensor was met (unread where not `readable`)
+        # C++ nodes torch gives no Python view of (TorchScript's DifferentiableGraphBackward, a C++
+        # extension's Function): what they saved is not counted. Short node name -> how many.
+        self.opaque: dict[str, int] = {}
         self.readable = saved_tensors_readable(torch)
         self._nodes: dict[int, object] = {}   # id -> node: holding them keeps their ids unique
         self._getters: dict[int, tuple] = {}  # id(node class) -> its C getters
@@ -70,17 +76,33 @@ class GraphWalk:
                 return
             self._nodes[id(node)] = node
             getters = self._node_getters(type(node))
-            yield from self._node(node, *getters)
+            if getters[4]:
+                name = _node_name(node)
+                self.opaque[name] = self.opaque.get(name, 0) + 1
+            yield from self._node(node, *getters[:4])
             pairs = _read(getters[0], node)
             todo.extend(p[0] for p in pairs or () if type(p) is tuple and p and p[0] is not None)
+
+    def is_node(self, cls) -> bool:
+        """True for a graph node's class (``loss.grad_fn``'s, a custom Function's ctx): torch's C getter
+        ``next_functions`` is on it."""
+        return self._node_getters(cls)[0] is not None
+
+    def is_saved(self, obj) -> bool:
+        """True for torch's ``SavedTensor``, which a checkpoint also keeps outside nodes (its inputs)."""
+        return self._saved_type is not None and type(obj) is self._saved_type
+
+    def saved(self, item) -> Iterator[tuple[str, object]]:
+        """What one ``SavedTensor`` holds (see :meth:`held`), read without unpacking it."""
+        self.saw_saved = True
+        yield from self._saved(item)
 
     def _node(self, node, _next, saved, variable, has_dict) -> Iterator[tuple[str, object]]:
         for getter in saved:
             value = _read(getter, node)   # a freed custom Function's saved tensors raise: nothing then
             for item in value if type(value) in (list, tuple) else (value,):
-                if type(item) is self._saved_type:
-                    self.saw_saved = True
-                    yield from self._saved(item)
+                if self.is_saved(item):
+                    yield from self.saved(item)
         leaf = _read(variable, node)
         if leaf is not None:
             yield "tensor", leaf
@@ -108,9 +130,10 @@ class GraphWalk:
             yield "object", hook
 
     def _node_getters(self, cls) -> tuple:
-        """``(next_functions, [_raw_saved_* getters], variable, has_dict)``: the C getters torch defines
-        for a node class, first found along its MRO (a subclass's Python property is never asked), and
-        whether its nodes have an instance dict (a custom Function's ctx; C++ nodes have none)."""
+        """``(next_functions, [_raw_saved_* getters], variable, has_dict, opaque)``: the C getters torch
+        defines for a node class, first found along its MRO (a subclass's Python property is never
+        asked), whether its nodes have an instance dict (a custom Function's ctx; C++ nodes have none)
+        and whether it is torch's generic ``CppFunction``, which shows nothing a node saved."""
         known = self._getters.get(id(cls))
         if known is not None:
             return known
@@ -124,13 +147,27 @@ class GraphWalk:
                         (name.startswith(_PREFIX) or name in ("next_functions", "variable")):
                     found[name] = value
         saved = [g for n, g in found.items() if n.startswith(_PREFIX)]
-        known = self._getters[id(cls)] = (found.get("next_functions"), saved, found.get("variable"), has_dict)
+        # CppFunction cannot be subclassed: a class of that name from torch's C code is that one.
+        opaque = _NAME.__get__(cls) == "CppFunction" and _CLASS_DICT.__get__(cls).get("__module__") is None \
+            and "next_functions" in found and not saved
+        known = self._getters[id(cls)] = (found.get("next_functions"), saved, found.get("variable"), has_dict,
+                                          opaque)
         return known
 
     def release(self) -> None:
         """Let go of the nodes read (the walk is over): nothing of the graph stays alive through it."""
         self._nodes.clear()
         self._getters.clear()   # keyed by id(class): a custom Function's class may go with its nodes
+
+
+def _node_name(node) -> str:
+    """A ``CppFunction``'s C++ class, short (``DifferentiableGraphBackward``), through its own C method."""
+    try:
+        name = _CLASS_DICT.__get__(type(node))["name"](node)
+    except Exception:   # a node torch half built
+        logger.debug("an autograd node's name is unreadable", exc_info=True)
+        return "CppFunction"
+    return name.rsplit("::", 1)[-1] if type(name) is str and name else "CppFunction"
 
 
 def _read(getter, node):

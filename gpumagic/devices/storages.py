@@ -45,7 +45,10 @@ class Collector:
     ``via_optimizer`` holds the parameters (and gradients) an optimizer reaches
     through its param groups, ``via_graph`` what the autograd graphs of the tensors
     reached keep alive (at most ``max_nodes`` nodes read): both count for it only
-    where no variable holds them. ``skip`` holds ids of objects the walk never enters.
+    where no variable holds them. ``via_optimizer_graph`` holds what the graphs of an
+    optimizer's gradients keep (``backward(create_graph=True)``): it counts where no
+    variable holds it nor reaches it through a graph of its own (the model's gradients').
+    ``skip`` holds ids of objects the walk never enters.
     """
 
     def __init__(self, torch, max_depth: int, max_items: int, slots: dict | None = None,
@@ -56,8 +59,11 @@ class Collector:
         self.storages: dict[tuple, tuple[str, int, str]] = {}
         self.via_optimizer: dict[tuple, tuple[str, int, str]] = {}
         self.via_graph: dict[tuple, tuple[str, int, str]] = {}
+        self.via_optimizer_graph: dict[tuple, tuple[str, int, str]] = {}
+        self._into_graph = self.via_graph   # where part `autograd` goes now: see walk()
         self.graph = GraphWalk(torch, autograd_graph.MAX_NODES if max_nodes is None else max_nodes)
-        self._roots: list = []         # (grad_fn, depth) of tensors reached, read after the objects: see walk()
+        self._roots: list = []         # grad_fns of tensors reached, read after the objects: see walk()
+        self._optimizer_roots: list = []   # grad_fns of an optimizer's gradients, read last
         # ids of objects never entered: the namespace itself and what holds it (the shell), whose
         # contents are every variable's, listed under their own names
         self.visited: set[int] = set(skip)
@@ -80,7 +86,7 @@ class Collector:
 
     def add_tensor(self, t, part: str, into: dict | None = None) -> None:
         if into is None:
-            into = self.via_graph if part == AUTOGRAD else self.storages
+            into = self._into_graph if part == AUTOGRAD else self.storages
         if isinstance(t, self.uninitialized):  # a lazy module's parameter: no memory before its first call
             return
         device = t.device
@@ -160,27 +166,57 @@ class Collector:
         try:
             with plain():
                 self._reach(obj, depth, part)
-                # Graphs are read once the objects are (a graph adds objects, never nests a graph's
-                # walk in another's: a deep graph cannot exhaust the stack).
-                while self._queue or self._roots:
-                    while self._queue:
-                        self._visit(*self._queue.popleft())
-                    if self._roots:
-                        self._graph(*self._roots.pop())
+                self._drain()
+                if self._optimizer_roots:
+                    # Read apart and last: a node read before (the model's gradients') stays there.
+                    self._roots, self._optimizer_roots = self._optimizer_roots, []
+                    self._into_graph = self.via_optimizer_graph
+                    self._drain()
         finally:
+            self._into_graph = self.via_graph
             self._roots.clear()
+            self._optimizer_roots.clear()
             self.graph.release()   # the nodes read: nothing of a graph stays alive through the report
 
-    def _graph(self, grad_fn, depth: int) -> None:
-        """What the graph under ``grad_fn`` keeps alive, into ``via_graph`` (part ``autograd``)."""
-        for kind, value in self.graph.held(grad_fn):
+    def _drain(self) -> None:
+        """Read the queued objects, then the graphs. Graphs are read once the objects are (a graph
+        adds objects, never nests a graph's walk in another's: a deep graph cannot exhaust the stack)."""
+        while self._queue or self._roots:
+            while self._queue:
+                self._visit(*self._queue.popleft())
+            if self._roots:
+                self._graph(self._roots.pop())
+
+    def _graph(self, grad_fn) -> None:
+        """What the graph under ``grad_fn`` keeps alive, into ``via_graph`` (part ``autograd``), or
+        ``via_optimizer_graph`` for an optimizer's gradients."""
+        self._held(self.graph.held(grad_fn))
+
+    def _held(self, held: Iterable) -> None:
+        """Count what a graph (or a ``SavedTensor`` outside one) holds: ``(kind, value)`` pairs.
+
+        Its objects (hooks' closures, a checkpoint's frame, ctx attributes) are read from depth 1
+        wherever the result sits: the graph is bounded by ``max_nodes``, and a loss kept deep in a
+        history must cost what it costs as a variable."""
+        for kind, value in held:
             if kind == "tensor":
                 self.add_tensor(value, AUTOGRAD)
-                grad = self._grad(value)
-                if grad is not None:
-                    self.add_tensor(grad, AUTOGRAD)
+                self._add_grad(self._grad(value), AUTOGRAD)
             else:
-                self._reach(value, depth + 1, AUTOGRAD)
+                self._reach(value, 1, AUTOGRAD)
+
+    def _add_grad(self, grad, part: str, into: dict | None = None) -> None:
+        """A gradient, and the graph it keeps where ``backward(create_graph=True)`` made it."""
+        if grad is None:
+            return
+        self.add_tensor(grad, part, into)
+        try:
+            grad_fn = grad.grad_fn
+        except Exception:   # a wrapper subclass without autograd metadata
+            logger.debug("a %s gradient has no grad_fn to read", type(grad).__name__, exc_info=True)
+            return
+        if grad_fn is not None:
+            (self._optimizer_roots if into is self.via_optimizer else self._roots).append(grad_fn)
 
     def _grad(self, t):
         """``t.grad`` where torch keeps one (a leaf's, or a tensor that retains it)."""
@@ -190,7 +226,7 @@ class Collector:
             logger.debug("a %s has no gradient to read", type(t).__name__, exc_info=True)
             return None
 
-    def _add_graph_root(self, t, depth: int) -> None:
+    def _add_graph_root(self, t) -> None:
         """A non-leaf tensor keeps its graph: read it once the walk's objects are read."""
         try:
             grad_fn = t.grad_fn
@@ -198,7 +234,7 @@ class Collector:
             logger.debug("a %s has no grad_fn to read", type(t).__name__, exc_info=True)
             return
         if grad_fn is not None:
-            self._roots.append((grad_fn, depth))
+            self._roots.append(grad_fn)
 
     def _reach(self, obj, depth: int, part: str) -> None:
         """A tensor is counted now; a holder is read once its turn comes."""
@@ -213,11 +249,13 @@ class Collector:
                 grad = obj.grad
             else:
                 grad = obj.grad if obj.retains_grad else None
-                self._roots.append((grad_fn, depth))   # it keeps its graph: read once the objects are
-            if grad is not None:
-                self.add_tensor(grad, AUTOGRAD if part == AUTOGRAD else "grads")
+                self._roots.append(grad_fn)   # it keeps its graph: read once the objects are
+            self._add_grad(grad, AUTOGRAD if part == AUTOGRAD else "grads")
         elif self.ndarray is not None and issubclass(cls, self.ndarray):
             self.add_array(obj, depth, "arrays" if part == "tensors" else part)
+        elif self.graph.is_saved(obj):
+            # A checkpoint keeps its inputs as SavedTensors in a plain list, outside any node.
+            self._held(self.graph.saved(obj))
         elif id(cls) not in _ATOMS and depth <= self.max_depth and id(obj) not in self.visited:
             self._queue.append((obj, depth, part))
 
@@ -265,6 +303,10 @@ class Collector:
             # as locals: those live on without the frame and are the variables' to count.
             locals_ = obj.f_locals
             items = () if locals_ is obj.f_globals else list(locals_.values())
+        elif self.graph.is_node(cls):
+            # A graph node kept itself (`node = loss.grad_fn`, a custom Function's ctx): it is the graph.
+            self._roots.append(obj)
+            return
         elif issubclass(cls, type):
             # A notebook's class keeps its class attributes (a cache shared by every instance);
             # a library's classes hold no notebook memory and would only slow the scan.
@@ -309,10 +351,9 @@ class Collector:
             self.add_tensor(p, _within(part, "params"))
         for b in buffers:
             self.add_tensor(b, _within(part, "buffers"))
-            self._add_graph_root(b, depth)   # a buffer assigned an undetached result keeps its graph
+            self._add_graph_root(b)   # a buffer assigned an undetached result keeps its graph
         for p in params:
-            if p.grad is not None:
-                self.add_tensor(p.grad, _within(part, "grads"))
+            self._add_grad(p.grad, _within(part, "grads"))
         for value in others:
             self._reach(value, depth + 1, _within(part, "tensors"))
 
@@ -348,8 +389,7 @@ class Collector:
             for p in list(params) if issubclass(type(params), (list, tuple)) else ():
                 if issubclass(type(p), self.torch.Tensor):
                     self.add_tensor(p, _within(part, "params"), via)
-                    if p.grad is not None:
-                        self.add_tensor(p.grad, _within(part, "grads"), via)
+                    self._add_grad(p.grad, _within(part, "grads"), via)
         for key, value in attrs.items():
             if key not in ("state", "param_groups"):
                 self._reach(value, depth + 1, _within(part, "tensors"))

@@ -145,7 +145,10 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
     :data:`.autograd_graph.MAX_NODES`; saved
     tensors are read as torch stores them, no unpack hook is run); what
     the graph holds of other variables (the model's weights, the batch)
-    counts for those variables alone.
+    counts for those variables alone. A kept ``grad_fn``, and gradients made
+    with ``backward(create_graph=True)``, hold their graphs the same way; a note
+    names graphs with nodes torch shows nothing of (TorchScript's), whose saved
+    tensors are not counted.
     ``history`` (IPython's ``Out``) and ``last_error`` (``sys.last_value``:
     its traceback's frames keep their locals) are not variables, but a note
     says what they alone hold. Each row counts every storage
@@ -217,6 +220,15 @@ def _graph_notes(per_var: dict, rows: list[VarMemory], max_nodes: int) -> list[s
     if cut:
         notes.append(f"autograd graphs of {', '.join(cut)}: more than {max_nodes:,} nodes; the saved tensors "
                      "of the rest were not counted.")
+    hidden: dict[str, dict[str, int]] = {}
+    for name, (_, collector) in per_var.items():
+        for node, count in collector.graph.opaque.items():
+            hidden.setdefault(node, {})[name] = count
+    for node, names in sorted(hidden.items()):
+        most = max(names.values())
+        notes.append(f"autograd graphs of {', '.join(sorted(names))}: what {most:,} {node} node"
+                     f"{'s' if most > 1 else ''} saved is hidden inside torch (TorchScript, a C++ extension's "
+                     "autograd Function), so it is not counted.")
     if any(not collector.graph.readable and collector.graph.saw_saved for _, collector in per_var.values()):
         notes.append("autograd: this torch cannot show a saved tensor without unpacking it (which may run "
                      "notebook code), so what graphs saved for backward is not counted.")
@@ -257,7 +269,7 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
                 unread.append(f"{name} ({type(exc).__name__})")
                 continue
             walked[id(value)] = collector
-        if collector.storages or collector.via_optimizer or collector.via_graph:
+        if collector.storages or collector.via_optimizer or collector.via_graph or collector.via_optimizer_graph:
             per_var[name] = (type(value).__name__, collector)
     owners: dict[tuple, set[str]] = {}
     for name, (_, collector) in per_var.items():
@@ -267,13 +279,21 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
     # leaves them, and their gradients, alive through the optimizer alone). So does what an
     # autograd graph keeps: a loss's activations are its own, the model's weights and the
     # batch it saved are the model's and the batch's while those variables hold them.
+    # The graphs of an optimizer's gradients (create_graph=True) count for it only where no variable
+    # reaches them through a graph either: the model holding those gradients does.
     orphans: dict[tuple, set[str]] = {}
     for name, (_, collector) in per_var.items():
         for key in (*collector.via_optimizer, *collector.via_graph):
             if key not in owners:
                 orphans.setdefault(key, set()).add(name)
+    through_graphs = set(orphans)
     for name, (_, collector) in per_var.items():
-        for held in (collector.via_graph, collector.via_optimizer):
+        for key in collector.via_optimizer_graph:
+            if key not in owners and (key not in through_graphs or name in orphans[key]):
+                orphans.setdefault(key, set()).add(name)
+    for name, (_, collector) in per_var.items():
+        # in this order: a parameter an optimizer holds and a graph reaches is "params", not "autograd"
+        for held in (collector.via_optimizer, collector.via_graph, collector.via_optimizer_graph):
             for key, record in held.items():
                 if name in orphans.get(key, ()):
                     collector.storages.setdefault(key, record)
@@ -325,10 +345,11 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
         except Exception:
             logger.debug("walking %s for tensors failed", what, exc_info=True)
             continue
-        if (collector.storages or collector.via_graph) and held_keys is None:
+        if (collector.storages or collector.via_graph or collector.via_optimizer_graph) and held_keys is None:
             held_keys = held()
         kept: dict[str, int] = {}
-        for key, (dev, nbytes, _) in {**collector.via_graph, **collector.storages}.items():
+        for key, (dev, nbytes, _) in {**collector.via_optimizer_graph, **collector.via_graph,
+                                      **collector.storages}.items():
             if key not in (held_keys or ()) and (device is None or dev == device):
                 kept[dev] = kept.get(dev, 0) + nbytes
         kept = {d: b for d, b in kept.items() if b}
