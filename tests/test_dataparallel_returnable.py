@@ -109,7 +109,7 @@ alias = args                         # the notebook's own object, not a copy
 same_log = log
 set_epochs(args, 7)
 setattr(args, "lr", 0.5)
-args.note = torch.nn.Linear(1, 1)    # added, not a plain value: named
+args.note = object()                 # added, not a plain value: named (a model made in the cell comes back)
 weight = torch.nn.Parameter(torch.ones(2))
 """)
     assert ns["alias"] is args and ns["same_log"] is log
@@ -215,7 +215,7 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     box.new = "yes"
     box.samples.append(1)          # (not compared)
     other.x = 1                    # set, unchanged
-    other.y = torch.nn.Linear(1, 1)
+    other.y = object()             # (a model made in the cell comes back: containers_hostile)
     out = changed_attributes(ns, before, ["box"])
     assert out.changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and out.filled == {}
     assert out.dropped == ["other.y (not a plain value)"]
@@ -242,7 +242,7 @@ def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_ane
 
 def test_containers_holding_objects_describe_their_new_items_by_the_old_ones():
     from gpumagic.dataparallel.containers import apply, changes, snapshot
-    model, made = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    model, made = torch.nn.Linear(1, 1), object()   # (a model made in the cell comes back: containers_hostile)
     ns = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
           "bag": {"model": model}, "same": {"model": model, "n": 1}}
     kernel = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
@@ -312,7 +312,7 @@ def test_lists_and_dicts_of_tensors_on_notebook_objects_are_described_by_their_i
     rank.held[0].add_(1)
     rank.held.append(torch.full((1,), 7.0))
     rank.by_key["a"] = torch.arange(3)
-    rank.made.append(torch.nn.Linear(1, 1))           # an object made in the cell: not a copy in the notebook
+    rank.made.append(object())   # an object made in the cell: not a copy in the notebook (a model comes back)
     rank.rebound = [torch.zeros(1)]                   # bound anew: a new list in the notebook too
     out = changed_attributes(ns, before, ["box"])
     assert set(out.items["box"]) == {"outs", "held", "by_key", "rebound"}

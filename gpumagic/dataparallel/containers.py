@@ -2,7 +2,9 @@
 
 A dict or list of plain values (``history = []``) comes back whole as a value. One that also
 holds objects (``held = {"n": 1, "model": model}``, ``runs = [cfg, ...]``; a ``defaultdict`` or an
-``OrderedDict`` too) cannot: a copy would replace the notebook's objects inside it. Yet a plain
+``OrderedDict`` too) cannot: a copy would replace the notebook's objects inside it; nor can one
+holding lists and dicts (``logs = {"train": {"loss": []}}``), which other names may hold
+(``train_loss = logs["train"]["loss"]``). Yet a plain
 cell's ``held["n"] = 2``, ``runs.append(0.5)`` or ``del held["old"]`` changes it, written in the
 cell or inside a notebook function the cell calls. So rank 0 takes a shallow record of each such
 container the cell reaches before it runs (:func:`snapshot`), compares after (:func:`changes`), and
@@ -15,19 +17,22 @@ notebook's own objects, into the same container, which keeps its type and key or
   into the notebook's item (``("filled", key, v)``); a new one: rank 0's, on the CPU;
 * a list or dict it held, changed inside (``held["outs"]["val"].append(out)``): described the same
   way, a few levels down (their tensors compared by torch's version counter), and refilled in place
-  (``("nested", key, kind, entries)``); a new one holding such items: built anew
-  (``("built", kind, entries)``);
+  (``("nested", key, kind, entries)``); a new list, tuple or dict holding such items (a
+  ``state_dict()`` copy, a defaultdict): built anew, of its type (``("built", kind, entries)``);
 * an object the notebook holds under a name of its own (``reg["aux"] = m2``): that object
-  (``("name", "m2")``), holding its trained state where it trained.
+  (``("name", "m2")``), holding its trained state where it trained; a layer of one
+  (``reg["head"] = model.fc``): that layer (``("layer", "model", "fc")``); a model the cell made
+  (``copy.deepcopy(model)``): rank 0's, whole (``("made", model)``, :mod:`.container_models`).
 
 A container that came to hold anything else (a new object: it would be a copy), or new tensors
 beyond what one cell brings back, does not come back; the cell's note names it. Lists and dicts
 held as attributes of notebook objects (``self.outs.append(out.detach())``) are described the same
 way (:mod:`.returnable`), and so is a notebook list or dict of plain values the cell filled with
 tensors (``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
-container's items before and after the cell on rank 0 (containers of at most
-:data:`~.returnable.WATCHED_ITEMS` items, and so the lists and dicts they hold), copies of its
-plain items, and a fingerprint of each tensor or array item (:mod:`.touched`).
+container's items before and after the cell on rank 0 (and so the lists and dicts they hold, up to
+10,000 items each), copies of its plain items, and a fingerprint of each tensor or array item
+(:mod:`.touched`); a longer one (a history of every step) is kept as a shallow copy, its items
+compared by identity, up to :data:`LONG_ITEMS`.
 
 Runs in the workers (:func:`snapshot`, :func:`changes`) and in the kernel (:func:`apply`).
 """
@@ -36,22 +41,28 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import operator
 
-from ..cell.values import detached, equal_values, is_plain_value
+from ..cell.values import equal_values, is_plain_value, same_tuple_type
 from ..procs.returning import RETURN_LIMIT
+from .container_models import layer_of, made_model, model_bytes
 from .touched import READ_WHOLE_BYTES, fingerprint, is_array
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["snapshot", "changes", "apply", "is_container", "records_of", "describe", "rebuilt", "made_in_cell",
-           "array_bytes", "Room", "grown", "planned", "refill_all", "same_value"]
+__all__ = ["snapshot", "changes", "apply", "is_container", "holds_containers", "records_of", "describe", "rebuilt",
+           "made_in_cell", "array_bytes", "Room", "grown", "planned", "refill_all", "same_value", "kind_of",
+           "is_listlike", "detached_typed", "same_dict_type", "held_inside", "item_at", "LONG_ITEMS"]
 
-_PLAIN, _ARRAY, _OBJECT, _NESTED = "plain", "array", "object", "nested"
+_PLAIN, _ARRAY, _OBJECT, _NESTED, _LONG = "plain", "array", "object", "nested", "long"
 # What is compared item by item: refilled in place, its type (and a defaultdict's default_factory) kept.
 # (Other dict subclasses, a ModelOutput or an EasyDict, may refuse or redefine ``clear``/``update``.)
 _KINDS = (list, dict, collections.defaultdict, collections.OrderedDict)
 # Lists and dicts held in a compared one are compared inside too, this many levels down.
 _DEPTH = 3
+# Longer ones than :data:`_COPIED_ITEMS` (a history of every step, a dataset's samples) are kept as a shallow
+# copy, compared item by item by identity (one pass, no copies), up to this many items; longer ones, not at all.
+LONG_ITEMS = 1_000_000
 
 
 def is_container(value, limit: int) -> bool:
@@ -60,12 +71,61 @@ def is_container(value, limit: int) -> bool:
     return type(value) in _KINDS and len(value) <= limit and not is_plain_value(value)
 
 
+def holds_containers(value, limit: int) -> bool:
+    """A list or dict of at most ``limit`` items holding a list or dict (``logs = {"train": {"loss": []}}``),
+    which other names may hold too (``train_loss = logs["train"]["loss"]``): compared item by item, so those
+    stay the notebook's objects, refilled in place, rather than a copy of it coming back whole."""
+    return type(value) in _KINDS and len(value) <= limit and any(
+        type(v) in _KINDS for v in (value.values() if isinstance(value, dict) else value))
+
+
 def _items(container) -> list:
     return list(container.items() if isinstance(container, dict) else enumerate(container))
 
 
-def _kind(container) -> str:
-    return "list" if isinstance(container, list) else "dict"
+def kind_of(container):
+    """How the kernel makes ``container`` again (:func:`rebuilt`): its type's name (``"list"``, ``"tuple"``,
+    ``"dict"``, ``"OrderedDict"``), or ``("defaultdict", its default factory)``."""
+    if type(container) is collections.defaultdict:
+        return ("defaultdict", container.default_factory)
+    return type(container).__name__
+
+
+def is_listlike(kind) -> bool:
+    """Whether a :func:`kind_of` answer stands for a list or tuple (items by index), not a dict."""
+    return kind in ("list", "tuple")
+
+
+def _made(kind, items):
+    """``items`` (a list or a dict) as the :func:`kind_of` ``kind`` they were on rank 0."""
+    if kind == "tuple":
+        return tuple(items)
+    if kind == "OrderedDict":
+        return collections.OrderedDict(items)
+    if isinstance(kind, tuple):
+        return collections.defaultdict(kind[1], items)
+    return items
+
+
+def same_dict_type(original: dict, items: dict) -> dict:
+    """``items`` as a dict of ``original``'s type where that is a defaultdict (its factory kept) or an
+    OrderedDict, as a plain cell leaves it; else a dict."""
+    return _made(kind_of(original), items) if type(original) in _KINDS else items
+
+
+def detached_typed(value):
+    """:func:`~gpumagic.cell.values.detached`, where defaultdicts and OrderedDicts stay what they are
+    (``history = defaultdict(list)`` in the cell: the next cell's ``history["new"].append`` works)."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return same_dict_type(value, {k: detached_typed(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [detached_typed(v) for v in value]
+    if isinstance(value, tuple):
+        return same_tuple_type(value, [detached_typed(v) for v in value])
+    return value
 
 
 def _record(item, depth: int):
@@ -73,20 +133,42 @@ def _record(item, depth: int):
     the records of its own items (a list or dict holding objects)."""
     if is_array(item):
         return item, _ARRAY, fingerprint(item, _read_whole(depth))
+    # (one holding lists and dicts, plain or not, item by item: those it holds stay the notebook's)
+    if depth < _DEPTH and (is_container(item, _COPIED_ITEMS) or holds_containers(item, _COPIED_ITEMS)):
+        return item, _NESTED, records_of(item, depth + 1)
     if not _large(item) and is_plain_value(item):
         try:
-            return item, _PLAIN, copy.deepcopy(detached(item))
+            return item, _PLAIN, copy.deepcopy(detached_typed(item))
         except Exception:   # a plain value that does not copy (rare): compared by identity
             logger.debug("an item could not be copied to compare", exc_info=True)
-    if depth < _DEPTH and is_container(item, _COPIED_ITEMS):
-        return item, _NESTED, records_of(item, depth + 1)
+    if type(item) in _KINDS and len(item) <= LONG_ITEMS:
+        return item, _LONG, _Shallow(item)
     return item, _OBJECT, None
 
 
 # A plain item with more than this many items (a history of a million losses, a vocabulary) is not
-# copied to compare, each cell, on the way to the first step: it is compared by identity, so a change
-# inside it is missed, as for the attributes of notebook objects (returnable.py).
+# copied to compare, each cell, on the way to the first step: its items are compared by identity
+# (:class:`_Shallow`), so a change inside one of them (a list it holds, appended to) is missed.
 _COPIED_ITEMS = 10_000
+
+
+class _Shallow:
+    """A long list's or dict's items as the cell started, not copied: one pass before and after the cell."""
+
+    def __init__(self, container):
+        self.keys = list(container) if isinstance(container, dict) else None
+        self.values = list(container.values() if isinstance(container, dict) else container)
+
+    def same(self, container) -> bool:
+        """Whether ``container`` holds the same objects, under the same keys, in the same order."""
+        values = container.values() if isinstance(container, dict) else container
+        return len(container) == len(self.values) and all(map(operator.is_, values, self.values)) and (
+            self.keys is None or list(container) == self.keys)
+
+    def records(self) -> dict:
+        """Records of its items, each compared by identity (:func:`describe`)."""
+        keys = self.keys if self.keys is not None else range(len(self.values))
+        return {k: (v, _OBJECT, None) for k, v in zip(keys, self.values)}
 
 
 def _read_whole(depth: int) -> int:
@@ -115,8 +197,10 @@ def _same_order(a, b) -> bool:
 
 
 def snapshot(ns: dict, names: list[str]) -> dict:
-    """Rank 0, as the cell starts: ``{name: (container, {key: record})}``."""
-    return {n: (ns[n], records_of(ns[n])) for n in names if n in ns}
+    """Rank 0, as the cell starts: ``{name: (container, {key: record})}`` (a long one's record: its items,
+    compared by identity)."""
+    return {n: (ns[n], _Shallow(ns[n]) if len(ns[n]) > _COPIED_ITEMS else records_of(ns[n])) for n in names
+            if n in ns}
 
 
 def changes(ns: dict, before: dict, room: Room | None = None, described: set[int] | None = None,
@@ -136,6 +220,10 @@ def changes(ns: dict, before: dict, room: Room | None = None, described: set[int
         if id(container) in described:
             continue   # one container under two names comes back once (the kernel refills it once)
         described.add(id(container))
+        if isinstance(records, _Shallow):
+            if records.same(container):
+                continue
+            records = records.records()
         entries, changed, foreign = describe(container, records, named)
         if not changed:
             continue
@@ -163,7 +251,7 @@ def _bring_back(name: str, container, entries: list, why: str | None, room: Room
                 dropped: list[str]) -> None:
     """``entries`` into ``back`` where nothing stops them (``why``) and their tensors fit in ``room``;
     else the reason into ``dropped``."""
-    if why is None and room.take(array_bytes(entries, type(container))):
+    if why is None and room.take(array_bytes(entries, kind_of(container))):
         back[name] = entries
     else:
         dropped.append(f"{name} ({why or f'{room.too_large}, so {name} is left as it was'})")
@@ -220,42 +308,84 @@ def _described(container, records: dict, named: dict, depth: int) -> tuple[list,
         elif name is not None:
             entry, moved, bad = ("name", name), True, []
         elif plain:
-            unchanged = here is not None and here[1] == _PLAIN and same_value(detached(item), here[2])
-            entry, moved, bad = ("value", detached(item)), not unchanged, []
+            unchanged = here is not None and here[1] == _PLAIN and same_value(detached_typed(item), here[2])
+            entry, moved, bad = ("value", detached_typed(item)), not unchanged, []
         elif is_array(item) and fingerprint(item, 0) is not None:   # (one it can send: the check, not the bytes)
-            entry, moved, bad = ("value", detached(item)), True, []
-        elif type(item) in (list, dict) and depth < _DEPTH and len(item) <= _COPIED_ITEMS:
-            inner, _, bad = _described(item, {}, named, depth + 1)   # a list or dict made in the cell
-            entry, moved = ("built", _kind(item), inner), True
+            entry, moved, bad = ("value", detached_typed(item)), True, []
+        elif type(item) in (*_KINDS, tuple) and depth < _DEPTH and len(item) <= _COPIED_ITEMS:
+            # a list, tuple or dict made in the cell (a state_dict() copy is an OrderedDict): built anew
+            inner, _, bad = _described(item, {}, named, depth + 1)
+            entry, moved = ("built", kind_of(item), inner), True
+        elif (layer := layer_of(item, named)) is not None:   # (reg["head"] = model.fc: the notebook's layer)
+            entry, moved, bad = ("layer", *layer), True, []
+        elif (model := made_model(item, named)) is not None:   # (best["model"] = copy.deepcopy(model))
+            entry, moved, bad = ("made", model), True, []
         else:
             entry, moved, bad = None, True, [()]
         changed = changed or moved
         if bad:
             foreign += [(key, *p) for p in bad]
         else:
-            entries.append(entry if isinstance(container, list) else (key, entry))
+            entries.append(entry if isinstance(container, (list, tuple)) else (key, entry))
     return entries, changed, foreign
 
 
 def _kept(key, item, record: tuple, named: dict, depth: int) -> tuple:
     """``(entry, changed, made in the cell)`` for ``item``, the object ``record`` kept at ``key``."""
     kind, kept = record[1], record[2]
-    if kind == _OBJECT:   # (a model, a large plain list): nothing to walk
+    if kind == _OBJECT:   # (a model): nothing to walk
         return ("old", key), False, []
     if kind == _ARRAY:
-        return (("filled", key, detached(item)), True, []) if fingerprint(item, _read_whole(depth)) != kept else \
-            (("old", key), False, [])
+        return (("filled", key, detached_typed(item)), True, []) if fingerprint(item, _read_whole(depth)) != kept \
+            else (("old", key), False, [])
+    if kind == _LONG:   # (a long list, compared by identity: sent whole where plain)
+        if kept.same(item):
+            return ("old", key), False, []
+        if is_plain_value(item):
+            return ("filled", key, detached_typed(item)), True, []
     if kind == _PLAIN and is_plain_value(item):
         # the notebook's own list or dict (``held["hist"] is hist``): kept, refilled where changed,
         # so other names holding it see the change and its type (a defaultdict) stays
-        return (("old", key), False, []) if same_value(detached(item), kept) else \
-            (("filled", key, detached(item)), True, [])
+        return (("old", key), False, []) if same_value(detached_typed(item), kept) else \
+            (("filled", key, detached_typed(item)), True, [])
     # a list or dict holding objects, or one of plain values that came to hold tensors (compared to its copy)
-    inner, changed, bad = _described(item, kept if kind == _NESTED else records_of(kept, depth + 1), named,
-                                     depth + 1)
+    records = kept if kind == _NESTED else kept.records() if kind == _LONG else records_of(kept, depth + 1)
+    inner, changed, bad = _described(item, records, named, depth + 1)
     if bad or not changed:
         return ("old", key), bad != [], bad
-    return ("nested", key, _kind(item), inner), True, []
+    return ("nested", key, kind_of(item), inner), True, []
+
+
+def held_inside(before: dict) -> dict:
+    """``{id: (where, keys, object)}`` of the lists and dicts held inside the containers of ``before``
+    (``{where: (container, records)}``, as :func:`snapshot` answers) as the cell started, a few levels down:
+    a name the cell binds to one (``hv = history["val"]``) is the notebook's object at ``keys`` there."""
+    found: dict = {}
+
+    def walk(where: str, keys: tuple, records: dict) -> None:
+        for k, (item, kind, kept) in records.items():
+            if type(item) in _KINDS and id(item) not in found:
+                found[id(item)] = (where, (*keys, k), item)
+            if kind == _NESTED:
+                walk(where, (*keys, k), kept)
+    for where, (_, records) in before.items():
+        if isinstance(records, dict):
+            walk(where, (), records)
+    return found
+
+
+def item_at(container, keys: tuple):
+    """The item ``container[k0][k1]...`` for ``keys``; None where one is missing."""
+    for k in keys:
+        if isinstance(container, dict):   # (not ``[k]``: a defaultdict would make the item)
+            if k not in container:
+                return None
+            container = container[k]
+        elif isinstance(container, (list, tuple)) and isinstance(k, int) and -len(container) <= k < len(container):
+            container = container[k]
+        else:
+            return None
+    return container
 
 
 def _name_of(item, named: dict) -> str | None:
@@ -270,24 +400,26 @@ def made_in_cell(keys: list[str]) -> str:
             f"hold{'s' if len(keys) == 1 else ''} an object made in the cell, which does not come back")
 
 
-def array_bytes(entries: list, kind: type) -> int:
-    """Bytes of the tensors and arrays rank 0 sends for a ``kind`` (list or dict) of ``entries``: new
+def array_bytes(entries: list, kind) -> int:
+    """Bytes of the tensors and arrays rank 0 sends for a ``kind`` (:func:`kind_of`) of ``entries``: new
     ones, and contents filled into the notebook's."""
     total = 0
-    for e in entries if issubclass(kind, list) else [e for _, e in entries]:
+    for e in entries if is_listlike(kind) else [e for _, e in entries]:
         if e[0] in ("value", "filled") and is_array(e[-1]):
             total += e[-1].nbytes
+        elif e[0] == "made":
+            total += model_bytes(e[1])
         elif e[0] in ("nested", "built"):
-            total += array_bytes(e[-1], list if e[-2] == "list" else dict)
+            total += array_bytes(e[-1], e[-2])
     return total
 
 
-def rebuilt(old, kind: type, entries: list, plans: dict, ns: dict | None = None):
-    """A new ``kind`` (list or dict) of ``entries``, their old items taken from the notebook's ``old``, its
-    objects by name from ``ns``; lists and dicts it held changed inside are planned into ``plans``."""
-    if kind is list:
-        return [_item(old, e, plans, ns) for e in entries]
-    return {k: _item(old, e, plans, ns) for k, e in entries}
+def rebuilt(old, kind, entries: list, plans: dict, ns: dict | None = None):
+    """A new ``kind`` (:func:`kind_of`) of ``entries``, their old items taken from the notebook's ``old``,
+    its objects by name from ``ns``; lists and dicts it held changed inside are planned into ``plans``."""
+    if is_listlike(kind):
+        return _made(kind, [_item(old, e, plans, ns) for e in entries])
+    return _made(kind, {k: _item(old, e, plans, ns) for k, e in entries})
 
 
 def apply(ns: dict, contents: dict) -> list[str]:
@@ -310,7 +442,7 @@ def planned(ns: dict, contents: dict, plans: dict) -> list[str]:
         if not isinstance(container, (list, dict)):
             continue
         if id(container) not in plans:   # (a defaultdict's new items: refilled into it, so it stays one)
-            plans[id(container)] = (container, rebuilt(container, list if isinstance(container, list) else dict,
+            plans[id(container)] = (container, rebuilt(container, "list" if isinstance(container, list) else "dict",
                                                         entries, plans, ns))
         done.append(name)
     return done
@@ -344,12 +476,20 @@ def _item(container, entry, plans: dict, ns: dict | None):
         return old if refill(old, entry[2]) else entry[2]
     if tag == "name":
         return (ns or {}).get(entry[1])
-    kind = list if entry[-2] == "list" else dict
+    if tag == "made":   # (its tensors are views of a buffer the next cell reuses: a copy)
+        return copy.deepcopy(entry[1])
+    if tag == "layer":
+        try:
+            return (ns or {})[entry[1]].get_submodule(entry[2])
+        except (KeyError, AttributeError):   # (it had that layer on rank 0, and took rank 0's layers: not expected)
+            logger.debug("%s has no layer %s: None in its place", entry[1], entry[2], exc_info=True)
+            return None
     if tag == "built":
-        return rebuilt(None, kind, entry[-1], plans, ns)
+        return rebuilt(None, entry[-2], entry[-1], plans, ns)
     if tag == "nested":
         inner = container[entry[1]]
-        if not isinstance(inner, kind):   # (the notebook's is the object rank 0 compared: not expected)
+        kind = "list" if is_listlike(entry[-2]) else "dict"   # (refilled: the notebook's keeps its type)
+        if not isinstance(inner, list if kind == "list" else dict):   # (rank 0 compared this object: not expected)
             logger.debug("a %s held at %r is not a %s: left as it was", type(inner).__name__, entry[1], kind)
             return inner
         if id(inner) not in plans:

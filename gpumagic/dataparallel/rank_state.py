@@ -19,17 +19,17 @@ from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
 from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
 from .by_reference import pickled
-from .containers import Room
+from .containers import Room, detached_typed, held_inside, item_at
 from .containers import changes as container_changes
 from .containers import grown as grown_containers
 from .results import NotebookName
-from .returnable import changed_attributes, deleted_attributes
+from .returnable import attribute_items, changed_attributes, deleted_attributes, follow_path
 from .scripting import scripted_results
 from .touched import changed as changed_arrays
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["rank0_state", "pack_state", "RemoteRepr"]
+__all__ = ["rank0_state", "pack_state", "RemoteRepr", "unwrapped", "stands_alone"]
 
 
 class RemoteRepr:
@@ -77,15 +77,16 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     state["not_returned"] += list(traced.values())
     grew: list[str] = []
     for n in meta["return_names"]:
-        if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced:
+        if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced \
+                or n in meta.get("containers", ()):   # (compared item by item: containers.changes)
             continue
         v = ns[n]
         if is_plain_value(v) or n in meta.get("filled", ()):   # (a tensor the cell set items of: filled in place)
-            state["values"][n] = detached(v)
+            state["values"][n] = detached_typed(v)   # (a defaultdict stays one)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
-            model = _unwrapped(v) if isinstance(v, torch.nn.Module) else None
-            if model is not None and _stands_alone(model, inner):
+            model = unwrapped(v) if isinstance(v, torch.nn.Module) else None
+            if model is not None and stands_alone(model, inner):
                 state["made"][n] = model   # a model the cell built: it comes back whole
             elif model is not None:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
@@ -138,15 +139,23 @@ def _datasets(state: dict, datasets: dict, refs: dict, room: Room) -> tuple | No
 def _aliases(ns: dict, meta: dict) -> dict:
     """``{name: other}`` where the cell bound ``name`` to the object the notebook's ``other`` held as the
     cell started (``alias = args``): the kernel binds it to the notebook's own object, as a plain cell
-    would, instead of a copy. Numbers and strings are values, not objects to share."""
+    would, instead of a copy. Numbers and strings are values, not objects to share. ``other`` is
+    ``(container, keys)`` for a list or dict a compared container (or a notebook object's attribute, as
+    ``"tracker.history"``) held at ``keys`` and still holds there (``hv = history["val"]``): the notebook's,
+    which takes the cell's changes in place."""
     before = meta.get("objects_before", {})
-    aliases = {}
+    inside = held_inside({**attribute_items(meta.get("attributes_before", {})), **meta.get("containers_before", {})})
+    aliases: dict = {}
     for n in meta["assigned"]:
         v = ns.get(n)
         held = before.get(id(v))
         if held is not None and held[1] is v and held[0] != n and \
                 not isinstance(v, (str, bytes, int, float, complex, bool, type(None), tuple)):
             aliases[n] = held[0]
+        elif id(v) in inside and inside[id(v)][2] is v:
+            where, keys, _ = inside[id(v)]
+            if item_at(follow_path(ns, where), keys) is v:
+                aliases[n] = (where, keys)
     return aliases
 
 
@@ -159,7 +168,7 @@ def _add_object(state: dict, name: str, value) -> None:
         state["not_returned"].append(f"{name} ({exc})")
 
 
-def _unwrapped(module):
+def unwrapped(module):
     """The user's module inside DDP wrappers, torch.compile's OptimizedModule and Lightning Fabric's
     ``_FabricModule`` (``fabric.setup(model)``)."""
     import torch
@@ -176,7 +185,7 @@ def _unwrapped(module):
             return module
 
 
-def _stands_alone(model, inner: dict) -> bool:
+def stands_alone(model, inner: dict) -> bool:
     """A model of its own: not a framework's wrapper around the notebook's modules (those come back
     in place) and holding no process-bound wrapper (DDP) inside."""
     from torch.nn.parallel import DistributedDataParallel

@@ -139,7 +139,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             if name in (state.get("grads") or {}):   # (a reshaped module has the trained one's names by now)
                 _load_grads(module, state["grads"][name])
     # the notebook's objects the cell bound other names to, taken before any name is bound anew
-    aliased = {n: ns[other] for n, other in (state.get("aliases") or {}).items() if other in ns}
+    aliased = {n: _aliased(ns, other) for n, other in (state.get("aliases") or {}).items()}
+    aliased = {n: obj for n, obj in aliased.items() if obj is not None}
     # and the notebook's datasets and tensors that datasets the cell set on its objects hold (by_reference.py)
     datasets = state.get("attribute_objects")
     referenced = resolved(datasets[1], ns) if datasets else {}
@@ -205,6 +206,9 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             # a tensor or array bound anew is rank 0's (as a plain cell binds a new one); a list or dict
             # the cell changed in place, the notebook's own, refilled (other names may hold it); one the
             # cell bound anew, set (other names keep the old one, as after a plain cell)
+            if isinstance(value, torch.nn.Module):   # a model the cell made: its tensors are views of a reused buffer
+                import copy
+                value = copy.deepcopy(value)
             if attr not in kept.get(name, ()) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
             bound.append(f"{name}.{attr}")
@@ -240,6 +244,16 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
 
 
+def _aliased(ns: dict, other):
+    """The notebook's object a name the cell bound stands for (rank_state's aliases): ``ns[other]``, or the
+    list or dict ``(container, keys)`` names, as the notebook holds it before it is refilled."""
+    from .containers import item_at
+    if isinstance(other, tuple):
+        where, keys = other
+        return item_at(follow_path(ns, where), keys)
+    return ns.get(other)
+
+
 def _apply_items(ns: dict, items: dict) -> list[str]:
     """Lists and dicts of tensors the cell changed on the notebook's objects (``self.outs.append(...)``):
     rebuilt from their entries (:func:`~.containers.describe`), the notebook's own list refilled where
@@ -256,18 +270,18 @@ def _apply_items(ns: dict, items: dict) -> list[str]:
 def _planned_items(ns: dict, items: dict, plans: dict) -> tuple[list[str], list]:
     """:func:`_apply_items`' new contents, built before any is written: the notebook's lists to refill into
     ``plans`` (as :func:`~.containers.planned`), and ``(object, attribute, new)`` to bind anew."""
-    from .containers import rebuilt
+    from .containers import is_listlike, rebuilt
     done, rebound = [], []
     for name, attrs in items.items():
         target = follow_path(ns, name)
         for attr, (same, kind, entries) in attrs.items():
             old = getattr(target, attr, None)
-            kind_ = list if kind == "list" else dict
-            if same and isinstance(old, kind_):   # (a defaultdict refilled stays one)
+            base = "list" if is_listlike(kind) else "dict"
+            if same and isinstance(old, list if base == "list" else dict):   # (a defaultdict refilled stays one)
                 if id(old) not in plans:
-                    plans[id(old)] = (old, rebuilt(old, kind_, entries, plans, ns))
-            else:
-                rebound.append((target, attr, rebuilt(old, kind_, entries, plans, ns)))
+                    plans[id(old)] = (old, rebuilt(old, base, entries, plans, ns))
+            else:   # (bound anew: of rank 0's type, a defaultdict with its factory)
+                rebound.append((target, attr, rebuilt(old, kind, entries, plans, ns)))
             done.append(f"{name}.{attr}")
     return done, rebound
 
@@ -432,8 +446,9 @@ def cloned(obj):
     import torch
     if isinstance(obj, torch.Tensor):
         return obj.clone()
-    if isinstance(obj, dict):
-        return {k: cloned(v) for k, v in obj.items()}
+    if isinstance(obj, dict):   # (a defaultdict or an OrderedDict stays one)
+        from .containers import same_dict_type
+        return same_dict_type(obj, {k: cloned(v) for k, v in obj.items()})
     if isinstance(obj, list):
         return [cloned(v) for v in obj]
     if isinstance(obj, tuple):

@@ -31,11 +31,23 @@ import copy
 from dataclasses import dataclass, field
 
 from ..cell.values import detached, is_plain_value
-from .containers import Room, array_bytes, describe, is_container, made_in_cell, records_of, same_value
+from .container_models import made_model, model_bytes
+from .containers import (
+    Room,
+    array_bytes,
+    describe,
+    detached_typed,
+    holds_containers,
+    is_container,
+    kind_of,
+    made_in_cell,
+    records_of,
+    same_value,
+)
 from .touched import fingerprint, is_array
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
-           "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared"]
+           "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared", "attribute_items"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
@@ -103,6 +115,8 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
                     continue
                 if is_array(v):   # (0-d tensors too: changed in place or rebound, each as it happened)
                     kept[k] = _Array(v)
+                elif holds_containers(v, WATCHED_ITEMS):   # (self.history["val"]: its lists stay the notebook's)
+                    kept[k] = _Items(v)
                 elif _small(v) and is_plain_value(v):
                     kept[k] = _copied(v)
                 elif is_container(v, WATCHED_ITEMS):   # (self.outs holding tensors: its items compared)
@@ -110,7 +124,8 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
         for k in assigned.get(name, []):
             v = attrs.get(k, _MISSING)
             # a plain value is copied to compare; another is compared by identity (copying may fail)
-            kept[k] = _Array(v) if is_array(v) else _copied(v) if _small(v) and is_plain_value(v) else \
+            kept[k] = _Array(v) if is_array(v) else _Items(v) if holds_containers(v, WATCHED_ITEMS) else \
+                _copied(v) if _small(v) and is_plain_value(v) else \
                 _Items(v) if is_container(v, WATCHED_ITEMS) else _Held(v)
         # (all its attributes, held: a list bound anew is told from the same list refilled)
         snapshot[name] = (kept, dict(attrs))
@@ -121,7 +136,7 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
 class AttributeChanges:
     """What the cell changed on the notebook's objects, ``{path: {attribute: ...}}`` each, and what cannot
     come back (``dropped``: the note's entries)."""
-    changed: dict = field(default_factory=dict)    # new plain values, and tensors and arrays bound anew
+    changed: dict = field(default_factory=dict)    # new plain values, tensors and arrays bound anew, models made
     filled: dict = field(default_factory=dict)     # contents of tensors and arrays changed in place
     items: dict = field(default_factory=dict)      # lists and dicts of tensors: (same object, kind, entries)
     datasets: dict = field(default_factory=dict)   # torch Datasets set on them (rank 0's objects)
@@ -168,6 +183,11 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                     out.kept.setdefault(name, []).append(k)
             elif _is_dataset(now):   # (a DataModule's setup(): self.train_set, self.val_set = random_split(...))
                 out.datasets.setdefault(name, {})[k] = now
+            elif (model := made_model(now, named or {})) is not None:   # (self.best_model = copy.deepcopy(model))
+                if room.take(model_bytes(model)):
+                    out.changed.setdefault(name, {})[k] = model
+                else:
+                    out.dropped.append(f"{name}.{k} ({room.too_large})")
             else:
                 out.dropped.append(f"{name}.{k} (not a plain value)" if not is_array(now) else
                                    f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
@@ -185,12 +205,19 @@ def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, w
         out.dropped.append(f"{name}.{k} ({made_in_cell(foreign)}; change it in a plain cell)")
     elif foreign:
         out.dropped.append(f"{name}.{k} (holds objects that are not plain values, tensors or arrays)")
-    elif not room.take(array_bytes(entries, type(now))):
+    elif not room.take(array_bytes(entries, kind_of(now))):
         out.dropped.append(f"{name}.{k} ({room.too_large})")
     else:
-        out.items.setdefault(name, {})[k] = (now is held, type(now).__name__, entries)
+        out.items.setdefault(name, {})[k] = (now is held, kind_of(now), entries)
         if now is held:
             out.described.add(id(now))   # (a notebook name holding it too is not described again)
+
+
+def attribute_items(snapshot: dict) -> dict:
+    """The lists and dicts of :func:`attribute_snapshot` compared item by item, as
+    :func:`~.containers.snapshot` answers: ``{"tracker.history": (the list or dict, its records)}``."""
+    return {f"{name}.{k}": (v.value, v.records) for name, (kept, _) in snapshot.items() for k, v in kept.items()
+            if isinstance(v, _Items)}
 
 
 def deleted_attributes(ns: dict, snapshot: dict, watched: list[str]) -> dict[str, list[str]]:
@@ -245,7 +272,7 @@ class _Held:
 
 def _copied(value):
     """A copy of a plain value; its tensors detached (a loss with its graph cannot be copied)."""
-    return copy.deepcopy(detached(value))
+    return copy.deepcopy(detached_typed(value))
 
 
 def _is_dataset(value) -> bool:

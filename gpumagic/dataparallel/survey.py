@@ -21,7 +21,7 @@ from ..cell.names import (
 )
 from ..cell.values import find_loaders, find_modules, find_optimizers, is_plain_value, is_stateful
 from ..errors import usage_error
-from .containers import is_container
+from .containers import LONG_ITEMS, holds_containers, is_container
 from .plan import Plan
 from .returnable import WATCHED_ITEMS, follow_path, is_compared, watched_paths
 from .touched import is_array
@@ -121,7 +121,10 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
     # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
     filled = [root for root in items if is_array(ns[root])]
     watched = watched_paths(ns, others + stateful)
-    containers = [n for n in others if n not in plain_read and is_container(ns[n], WATCHED_ITEMS)]
+    # (long ones too, their items compared by identity; plain ones holding lists and dicts, item by item, so
+    # those stay the notebook's: ``train_loss = logs["train"]["loss"]`` keeps seeing the cell's appends)
+    containers = [n for n in others if n not in plain_read and is_container(ns[n], LONG_ITEMS)
+                  or n in plain_read and holds_containers(ns[n], WATCHED_ITEMS)]
     return CellSurvey(
         used=names, modules=modules, optimizers=optimizers, loaders=loaders, stateful=stateful,
         assigned=assigned,
@@ -129,6 +132,8 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         # sets num_classes too, though its state_dict comes back), and what the cell sets on them
         watched=watched,
         set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
+        # (a plain one rank 0 compares item by item comes back through ``containers``: listed here for fsdp,
+        # which makes its sharded tensors whole first, ``clip_grad_norm_``'s norms appended to it)
         return_names=[n for n in dict.fromkeys(assigned + plain_read + filled)
                       if n not in trained and n not in stateful],
         device_strings=[n for n in names if isinstance(ns[n], str) and CUDA_STRING.match(ns[n])],
