@@ -265,10 +265,7 @@ def test_a_training_notebook_in_a_kernel_says_only_what_did_not_come_back():
     """Through a real Jupyter kernel (nbclient), as a user runs it: checkpoints, a metrics dict another name
     holds into, a best-model copy, and one object of the cell's own kind that cannot come back; the cell's
     note names that one alone."""
-    import os
-
-    import nbformat
-    from nbclient import NotebookClient
+    from tests.notebook_helpers import run_notebook, stream_text
     train = _epochs("checkpoints[epoch] = copy.deepcopy(model.state_dict())\n"
                     "logs['train']['loss'].append(val().item())\n"
                     "if val().item() < best['score']:\n"
@@ -279,12 +276,10 @@ def test_a_training_notebook_in_a_kernel_says_only_what_did_not_come_back():
              "%%dataparallel --nprocs 2\n" + train + "bag['lock'] = __import__('threading').Lock()\n",
              "print(list(checkpoints), len(train_loss), train_loss is logs['train']['loss'],"
              " type(best['model']).__name__, bag)", "%dataparallel stop"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": root}}).execute()
-    err = "".join(o.text for o in nb.cells[2].outputs if o.output_type == "stream" and o.name == "stderr")
+    nb = run_notebook(cells, timeout=300)
+    err = stream_text(nb.cells[2], "stderr")
     notes = [line for line in err.splitlines() if "not brought back" in line]
     assert len(notes) == 1 and "bag (" in notes[0] and "checkpoints" not in notes[0], err
     assert "logs" not in notes[0] and "best" not in notes[0], err
-    out = "".join(o.text for o in nb.cells[3].outputs if o.output_type == "stream")
+    out = stream_text(nb.cells[3])
     assert out.strip() == "[0, 1] 2 True Sequential {}", out

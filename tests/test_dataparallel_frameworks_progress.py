@@ -8,19 +8,15 @@ IPython keeps the text bars. A real Jupyter kernel (ipykernel through nbclient) 
 """
 from __future__ import annotations
 
-import os
 import re
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
+from tests.notebook_helpers import run_notebook, stream_text
 
 pytest.importorskip("transformers")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 64 samples, 8 a rank, 2 ranks: 4 steps an epoch, 8 in all; a loss and an evaluation every 4 steps.
 SETUP = """\
@@ -48,24 +44,9 @@ CELLS = ["%load_ext gpumagic", SETUP, DP + TRAIN, "first = imported_before", DP 
          "print(first, imported_before, steps)", "%dataparallel stop"]
 
 
-class RecordingClient(NotebookClient):
-    """Keeps every output message of each cell, as the frontend receives them."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.messages: dict[int, list] = {}
-
-    def process_message(self, msg, cell, cell_index):
-        self.messages.setdefault(cell_index, []).append((msg["msg_type"], msg["content"]))
-        return super().process_message(msg, cell, cell_index)
-
-
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
-    client = RecordingClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}})
-    client.execute()
-    return nb, client.messages
+    return run_notebook(CELLS, timeout=600, record=True)
 
 
 def _table(html: str) -> list[str]:
@@ -95,13 +76,13 @@ def test_rank_0_shows_transformers_notebook_table_updated_in_place(notebook, ind
     assert "<progress value='8' max='8'" in final and "[8/8" in final
     rows = re.findall(r"<tr>\s*<td>(\d+)</td>", final)
     assert rows == ["4", "8"], final                        # a loss and an evaluation every 4 steps
-    text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    text = stream_text(cell)
     assert "\x1b[A" not in text and "it/s]" not in text     # no text bars, no cursor moves
 
 
 def test_the_first_cell_imported_the_trainer_the_second_found_it(notebook):
     nb, _ = notebook
-    out = "".join(o.get("text", "") for o in nb.cells[5].outputs if o.output_type == "stream")
+    out = stream_text(nb.cells[5])
     assert out.split() == ["False", "True", "8"]            # (rank 0's)
 
 

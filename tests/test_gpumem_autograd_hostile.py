@@ -4,7 +4,6 @@ on a second, identical forward)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -13,7 +12,6 @@ from tests.conftest import run_cell
 
 pytestmark = pytest.mark.usefixtures("no_last_error")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, IN, HIDDEN, OUT = 64, 32, 256, 10
 F32, BF16 = 4, 2
 # Linear -> ReLU -> Linear, then pow(2).mean(): backward needs the ReLU's output and the second Linear's
@@ -453,15 +451,12 @@ KERNEL_CELLS = [
 
 @pytest.fixture(scope="module")
 def notebook():
-    import nbformat
-    from nbclient import NotebookClient
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in KERNEL_CELLS])
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": ROOT}}).execute()
-    return nb
+    from tests.notebook_helpers import run_notebook
+    return run_notebook(KERNEL_CELLS, timeout=120, allow_errors=True)
 
 
 def test_a_notebook_shows_the_autograd_part_and_its_note(notebook):
+    from tests.notebook_helpers import stream_text
     (shown,) = [o.data for o in notebook.cells[2].outputs if o.output_type == "display_data"]
     graph = 3 * ACT
     assert "autograd 199.5 KiB" in shown["text/html"]
@@ -469,7 +464,7 @@ def test_a_notebook_shows_the_autograd_part_and_its_note(notebook):
     loss_line = next(line for line in shown["text/plain"].splitlines() if line.startswith("total_loss"))
     assert "tensors 4 B, autograd 199.5 KiB" in loss_line            # 3 x 68,096 bytes
     assert AUTOGRAD_NOTE in shown["text/plain"]
-    out = "".join(o.text for o in notebook.cells[3].outputs if o.output_type == "stream")
+    out = stream_text(notebook.cells[3])
     held = json.loads(out)
     assert [(v["name"], v["parts"]) for v in held["variables"]][0] == \
         ("total_loss", {"tensors": F32, "autograd": graph})

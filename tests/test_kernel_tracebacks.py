@@ -7,16 +7,13 @@ test reads one cell's error output.
 """
 from __future__ import annotations
 
-import os
 import re
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.conftest import run_cell
+from tests.notebook_helpers import run_notebook
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DP = "%%dataparallel --devices cpu --nprocs 2"
 
 SETUP = """\
@@ -60,10 +57,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
-    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": ROOT}}).execute()
-    return nb
+    return run_notebook(CELLS, timeout=300, allow_errors=True)
 
 
 def _error(notebook, n: int):

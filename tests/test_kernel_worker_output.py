@@ -9,13 +9,9 @@ A worker is not IPython, so ``display()`` printed a repr there (a live loss plot
 """
 from __future__ import annotations
 
-import os
-
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.notebook_helpers import run_notebook, stream_text
 
 WRITE = """\
 import subprocess, torch.distributed as dist
@@ -61,15 +57,11 @@ CELLS = [
 
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
-    return nb
+    return run_notebook(CELLS, timeout=300)
 
 
 def _streams(notebook, n: int) -> tuple[str, str]:
-    outputs = [o for o in notebook.cells[n - 1].outputs if o.output_type == "stream"]
-    return ("".join(o.text for o in outputs if o.name == "stdout"),
-            "".join(o.text for o in outputs if o.name == "stderr"))
+    return stream_text(notebook.cells[n - 1], "stdout"), stream_text(notebook.cells[n - 1], "stderr")
 
 
 def test_only_rank_0_writes_into_the_cell(notebook):

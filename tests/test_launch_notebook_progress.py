@@ -8,20 +8,16 @@ terminal IPython keeps the text bars. A real Jupyter kernel (ipykernel through n
 """
 from __future__ import annotations
 
-import os
 import re
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
+from tests.notebook_helpers import run_notebook, stream_text
 
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 16 batches of 4: 8 a rank in launch mode (the frameworks share the batches), 16 of 2 in a
 # hand-written loop (the ranks share each batch).
@@ -92,24 +88,9 @@ CELLS = ["%load_ext gpumagic", SETUP, DP + ACCELERATE, DP + LIGHTNING, DP + HAND
          DP.replace("2\n", "2 --all-output\n") + HAND, "%%sharedtrain --nprocs 2\n" + SHARED, "%dataparallel stop"]
 
 
-class RecordingClient(NotebookClient):
-    """Keeps every output message of each cell, as the frontend receives them."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.messages: dict[int, list] = {}
-
-    def process_message(self, msg, cell, cell_index):
-        self.messages.setdefault(cell_index, []).append((msg["msg_type"], msg["content"]))
-        return super().process_message(msg, cell, cell_index)
-
-
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
-    client = RecordingClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}})
-    client.execute()
-    return nb, client.messages
+    return run_notebook(CELLS, timeout=600, record=True)
 
 
 def _bars(messages, index) -> dict[str, list[tuple[str, str]]]:
@@ -123,15 +104,11 @@ def _bars(messages, index) -> dict[str, list[tuple[str, str]]]:
     return bars
 
 
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
-
-
 def _checked(notebook, index):
     nb, messages = notebook
     cell = nb.cells[index]
     assert not [o for o in cell.outputs if o.output_type == "error"], cell.outputs
-    text = _text(cell)
+    text = stream_text(cell)
     assert "\x1b[" not in text and "it/s]" not in text, text       # no text bars, no cursor moves
     bars = _bars(messages, index)
     for shown in bars.values():   # each made once, then updated in place
@@ -164,7 +141,7 @@ def test_lightning_training_and_validation_bars_are_displays_of_their_own(notebo
     others = [shown for shown in bars.values() if "Epoch 0" not in shown[-1][1]]
     assert len(others) == 2 and all(shown[-1][1] == "" for shown in others)
     assert any("Validation" in html for shown in others for _, html in shown)
-    assert "`Trainer.fit` stopped: `max_epochs=1` reached" in _text(cell)   # its log line, as text
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached" in stream_text(cell)   # its log line, as text
 
 
 @pytest.mark.parametrize("index, labels", [(4, [""]), (5, ["[rank 0] ", "[rank 1] "])],

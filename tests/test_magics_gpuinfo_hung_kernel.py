@@ -2,13 +2,10 @@
 finish their cells with what needs no NVML and a note, instead of leaving the notebook busy for good."""
 from __future__ import annotations
 
-import os
-
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.notebook_helpers import run_notebook, stream_text
+
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 CELLS = [
@@ -36,15 +33,12 @@ CELLS = [
 
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
     # 30 s a cell: a hung %gpuinfo fails the test with a cell timeout instead of passing.
-    NotebookClient(nb, timeout=30, kernel_name="python3", allow_errors=False,
-                   resources={"metadata": {"path": ROOT}}).execute()
-    return nb
+    return run_notebook(CELLS, timeout=30, allow_errors=False)
 
 
 def _stdout(nb, n):
-    return "".join(o.text for o in nb.cells[n].outputs if o.output_type == "stream" and o.name == "stdout")
+    return stream_text(nb.cells[n], "stdout")
 
 
 def _displays(nb, n):

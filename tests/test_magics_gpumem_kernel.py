@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.notebook_helpers import run_notebook, stream_text
+
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 CELLS = [
@@ -40,18 +38,15 @@ PARAMS = 256 * 256 * 4 + 256 * 4
 
 @pytest.fixture(scope="module")
 def notebook():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": ROOT}}).execute()
-    return nb
+    return run_notebook(CELLS, timeout=120, allow_errors=True)
 
 
 def _stdout(nb, n):
-    return "".join(o.text for o in nb.cells[n].outputs if o.output_type == "stream" and o.name == "stdout")
+    return stream_text(nb.cells[n], "stdout")
 
 
 def _stderr(nb, n):
-    return "".join(o.text for o in nb.cells[n].outputs if o.output_type == "stream" and o.name == "stderr")
+    return stream_text(nb.cells[n], "stderr")
 
 
 def _displays(nb, n):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpumagic.devices import visible_gpus
-from tests.conftest import ROOT, run_cell
+from tests.conftest import run_cell
 from tests.placement_helpers import cell_ok
 
 HAS_GPU = bool(visible_gpus())
@@ -231,8 +231,7 @@ def test_a_dict_map_location_maps_every_cuda_location():
 
 @pytest.mark.skipif(HAS_GPU, reason="on a GPU machine the plain cell's .cuda() works")
 def test_in_a_jupyter_kernel(tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
+    from tests.notebook_helpers import run_notebook, stream_text
     gpu = str(tmp_path / "gpu.pt")
     save_as_if_on_cuda({"w": torch.arange(4.)}, gpu)
     sources = [
@@ -243,13 +242,10 @@ def test_in_a_jupyter_kernel(tmp_path):
         "%%ondevice cpu\nx = torch.ones(2)\ny = to_gpu(x)",
         "print(torch.get_default_device(), x.tolist())",
     ]
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": ROOT}}).execute()
+    nb = run_notebook(sources, timeout=120, allow_errors=True)
 
     def text(index):
-        return "".join(o.get("text", "") for o in nb.cells[index].outputs if o.output_type == "stream")
+        return stream_text(nb.cells[index])
     assert text(1).strip() == "['cpu', 'cpu'] [0.0, 1.0, 2.0, 3.0]"
     errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
     assert len(errors) == 1

@@ -15,7 +15,7 @@ import pytest
 
 from gpumagic.cell.placement_methods import rewritten
 from gpumagic.devices import visible_gpus
-from tests.conftest import ROOT, run_cell
+from tests.conftest import run_cell
 from tests.placement_helpers import cell_ok
 
 HAS_GPU = bool(visible_gpus())
@@ -136,15 +136,11 @@ def test_own_cuda_from_a_library_moves_its_parameters(shell, no_cuda_init):
 @pytest.mark.skipif(HAS_GPU, reason="on a GPU machine the plain cell's .cuda() works")
 def test_in_a_jupyter_kernel():
     # ipykernel keeps a cell's source under its own file name: the method's source is found there too.
-    import nbformat
-    from nbclient import NotebookClient
+    from tests.notebook_helpers import run_notebook, stream_text
     sources = ["%load_ext gpumagic\n" + HOLDER,
                "%%ondevice meta\nh = Holder().cuda()\nprint(h.extra.device, h.lin.weight.device)"]
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": ROOT}}).execute()
-    text = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.output_type == "stream")
+    nb = run_notebook(sources, timeout=120, allow_errors=True)
+    text = stream_text(nb.cells[1])
     assert text.strip().splitlines() == ["Holder.cuda None", "meta meta"], nb.cells[1].outputs
 
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import re
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 
 from gpumagic.cell.device_values import DeviceName, stands_for_cell_device
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
-from tests.conftest import ROOT, run_cell
+from tests.conftest import run_cell
+from tests.notebook_helpers import run_notebook, stream_text
 from tests.tutorial_mnist import MNIST_NET
 
 DATA = """%%ondevice cpu
@@ -338,7 +337,6 @@ print(json.dumps({"device": device, "device_type": type(device).__name__,
 
 
 def test_quickstart_in_a_jupyter_kernel():
-    nb = nbformat.v4.new_notebook()
     sources = [
         "%load_ext gpumagic", DATA, MODEL.format(device_line=DEVICES["cuda"]), FUNCTIONS, CHECKS,
         "train(train_dataloader, model, loss_fn, optimizer)\ntest(test_dataloader, model, loss_fn)",
@@ -348,11 +346,10 @@ def test_quickstart_in_a_jupyter_kernel():
         "%%sharedtrain --nprocs 2\ntrain(train_dataloader, model, loss_fn, optimizer)",
         "test(test_dataloader, model, loss_fn)\nprint(where)", CHECKS, "%dataparallel stop",
     ]
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    nb = run_notebook(sources, timeout=300)
 
     def text(index):
-        return "".join(o.get("text", "") for o in nb.cells[index].outputs if o.output_type == "stream")
+        return stream_text(nb.cells[index])
     assert "Using cuda device" in text(2)                      # the cell printed what it saw, as written
     assert "after the cell on cpu, device is 'cpu' (what 'cuda' meant in it)" in text(2)
     first, last = (json.loads(text(i).strip().splitlines()[-1]) for i in (4, 10))

@@ -10,14 +10,13 @@ from __future__ import annotations
 import copy
 import json
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
-from tests.conftest import ROOT, run_cell
+from tests.conftest import run_cell
+from tests.notebook_helpers import run_notebook, stream_text
 
 DP = "%%dataparallel --devices cpu --nprocs 2\n"
 
@@ -166,15 +165,10 @@ def test_amp_with_a_grad_scaler_and_plateau_scheduler_trains_as_one_process(shel
 
 
 def test_recipes_in_a_jupyter_kernel(tmp_path):
-    nb = nbformat.v4.new_notebook()
     sources = ["%load_ext gpumagic", f"%cd {tmp_path}", RECIPE_SETUP, DP + SAVE_ENTIRE_MODEL, DP + PROFILE,
                "print(type(torch.load('entire_model.pt', weights_only=False)).__name__)", "%dataparallel stop"]
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
-
-    def text(c):
-        return "".join(o.get("text", "") for o in c.outputs if o.output_type == "stream")
-    profiled = text(nb.cells[4])
+    nb = run_notebook(sources, timeout=300)
+    profiled = stream_text(nb.cells[4])
     assert profiled.count("Self CPU time total") == 1 and "Failed to rename" not in profiled, profiled
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    assert text(nb.cells[5]).strip() == "Net"
+    assert stream_text(nb.cells[5]).strip() == "Net"

@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 import warnings
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
-from tests.conftest import ROOT, run_cell
+from tests.conftest import run_cell
+from tests.notebook_helpers import run_notebook, stream_text
 from tests.tutorial_mnist import MNIST_NET, MNIST_TEST
 
 MNIST_DATA = """
@@ -111,14 +110,9 @@ stats = Stats(len(train_loader), loss)
 
 
 def test_mnist_in_a_jupyter_kernel_evaluates_whole(tmp_path):
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
-        "%load_ext gpumagic", MNIST_SETUP, MNIST_LOOP, "test(model, device, test_loader)", "%dataparallel stop")]
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
-
-    def text(cell):
-        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
-    trained, plain = text(nb.cells[2]), text(nb.cells[3])
+    nb = run_notebook(("%load_ext gpumagic", MNIST_SETUP, MNIST_LOOP, "test(model, device, test_loader)",
+                       "%dataparallel stop"), timeout=300)
+    trained, plain = stream_text(nb.cells[2]), stream_text(nb.cells[3])
     evaluations = TEST_LINE.findall(trained)
     assert len(evaluations) == 2 and TEST_LINE.findall(plain) == evaluations[-1:], (trained, plain)
     # Batch 4 of 8: the progress is one process's; len(data) is rank 0's half of the batch of 32.
