@@ -12,17 +12,21 @@ cell, a bar first drawn then is drawn as HTML instead (tqdm.notebook's look: des
 through :mod:`.display_relay`, at most once per the bar's ``mininterval`` (its final count at
 once), its last state on close (green when done, red when stopped early; a ``leave=False`` bar
 that finished is emptied, as tqdm.notebook hides it). Nothing is written to the cell's text
-output for it. Elsewhere (terminal IPython, a rank whose output is not shown) bars stay text.
+output for it. A bar still open as the task ends is closed then: it ends with the task's names.
+Elsewhere (terminal IPython, a rank whose output is not shown, a DataLoader worker forked from
+the rank: no link to the kernel of its own) bars stay text; the rank's HTML bars take no text
+line in such a child, so its bars draw with no cursor moves.
 
 The hook is tqdm's base class (``tqdm.std.tqdm``): ``tqdm.auto``'s class in a worker, ``tqdm.tqdm``
 and Lightning's ``Tqdm`` draw through its ``display``; classes that draw otherwise (``tqdm.rich``,
-``tqdm.gui``) are left alone. (A forked worker's copy of the kernel's ``tqdm.notebook`` class falls
-back to the base class: :func:`gpumagic.procs.worker._text_progress_bars`.)
+``tqdm.gui``) are left alone. (``tqdm.notebook``'s class, the kernel's copy in a forked worker or
+imported by a task, falls back to the base class: :func:`gpumagic.procs.worker._text_progress_bars`.)
 
 Worker side: :func:`relay_bars` once as the worker starts; ``with notebook_bars(on):`` around a task.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -48,6 +52,7 @@ _on = False
 _pid: int | None = None   # the worker's: its children (DataLoader workers) have no link to the kernel of their own
 _labelled = False   # whether bars say their rank (every rank's output shown, as lines carry [rank N])
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # HTML bars not closed yet
+_fork_hook = False
 
 
 class _Shown:
@@ -64,26 +69,35 @@ class _Shown:
 
 def relay_bars() -> None:
     """From now on, in this worker, tqdm's text bars can be drawn as HTML (see above)."""
-    global _pid
+    global _pid, _fork_hook
     _pid = os.getpid()
     patch_module("tqdm.std", _patch)
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _fork_hook = True
 
 
 @contextmanager
 def notebook_bars(on: bool, labelled: bool = False) -> Iterator[None]:
     """While the block runs: bars first drawn in it are HTML displays if ``on`` (a notebook kernel's task)
     and the task's output reaches the cell, prefixed ``[rank N]`` if ``labelled`` (every rank's output
-    shown). As it ends, each bar's last state not yet shown is sent."""
+    shown). As it ends, the bars still open are closed (they end with the task's names)."""
     global _on, _labelled
     _on, _labelled = bool(on), bool(labelled)
     try:
         yield
     finally:
         _on = _labelled = False
+        # The task's names go with it, and so do its open bars (a break out of a manual loop, an error).
+        # Closed when collected, they would close once nothing reaches the cell, or in a later cell's
+        # task, and the cell would keep their last draw, which tqdm (drawing at most every
+        # mininterval) may have made many updates before.
         for bar in list(_live.values()):
-            shown = vars(bar).get(_ATTR)
-            if isinstance(shown, _Shown) and shown.pending:
-                _send(bar, shown)
+            try:
+                bar.close()
+            except Exception:  # a bar that cannot close: it stays as last drawn rather than failing the task
+                logger.debug("could not close a tqdm bar", exc_info=True)
+        _live.clear()
 
 
 def render(bar, style: str | None = None, label: str = "") -> dict:
@@ -155,13 +169,42 @@ def _patch(module) -> None:
         method._gpumagic_html = True  # type: ignore[attr-defined]
         method.__doc__ = getattr(cls, name).__doc__
         setattr(cls, name, method)
+    if not getattr(cls.__init__, "_gpumagic_html", False):
+        cls.__init__ = _shown_if_auto(cls.__init__)
+
+
+def _shown_if_auto(own_init):
+    """tqdm's ``disable=None`` hides a bar off a terminal (a worker's streams are none); tqdm.notebook,
+    which a plain cell draws, shows it: so does a bar that will be drawn as HTML."""
+    @functools.wraps(own_init)
+    def __init__(self, *args, **kwargs):
+        if "disable" in kwargs and kwargs["disable"] is None and _html_now() is not None:
+            kwargs["disable"] = False
+        own_init(self, *args, **kwargs)
+    __init__._gpumagic_html = True
+    return __init__
+
+
+def _forget_in_child() -> None:
+    """In a process forked from a worker's task (a DataLoader worker): the worker's HTML bars are no text
+    lines there, so the child's text bars take their own line from the first, with no cursor moves."""
+    for bar in list(_live.values()):
+        instances = getattr(type(bar), "_instances", None)
+        if instances is not None:
+            instances.discard(bar)
+    _live.clear()
+
+
+def _html_now() -> int | None:
+    """The rank whose bars are drawn as HTML now (a notebook's task whose output reaches the cell), else None."""
+    return display_relay.shown_rank() if _on and os.getpid() == _pid else None
 
 
 def _shown(bar) -> _Shown | None:
     """The bar's display if it is drawn as HTML; whether it is, is decided as it is first drawn."""
     shown = vars(bar).get(_ATTR)
     if shown is None:
-        rank = display_relay.shown_rank() if _on and os.getpid() == _pid else None
+        rank = _html_now()
         if rank is None:
             vars(bar)[_ATTR] = False
             return None

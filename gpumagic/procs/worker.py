@@ -40,6 +40,7 @@ from .display_relay import relay_displays
 from .failures import exception_info
 from .fd_output import DescriptorOutput
 from .follow_kernel import follow
+from .import_patches import patch_module
 from .loader_workers import fork_from_here
 from .teardown import die_with_parent, watch_kernel
 from .tqdm_relay import notebook_bars, relay_bars
@@ -180,6 +181,8 @@ def worker_main(conn, config: WorkerConfig, first=None) -> None:
         ctx.capture_descriptors()
         relay_displays(ctx)
         relay_bars()
+        # (tqdm.notebook imported by a task: its widgets would have no kernel behind them either)
+        patch_module("tqdm.notebook", _text_progress_bars)
     try:
         info = _start_up(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel
@@ -273,18 +276,19 @@ def _detach_display() -> None:
     shell = module.InteractiveShell.instance()
     remember_cells_of(shell)
     type(shell).clear_instance()
-    _text_progress_bars()
+    _text_progress_bars(sys.modules.get("tqdm.notebook"))
 
 
-def _text_progress_bars() -> None:
-    """tqdm's notebook bar, if the kernel imported it (``from tqdm.auto import tqdm``), draws as text here.
+def _text_progress_bars(notebook) -> None:
+    """tqdm's notebook bar (module ``notebook``), the kernel's (``from tqdm.auto import tqdm``) or a
+    task's (``from tqdm.notebook import tqdm``), draws as text here.
 
-    Its widgets would send from the fork on the kernel's sockets, which ipykernel refuses (a warning
-    with the whole message in the server's log, each update); the class the notebook's names hold
-    loses its own methods, so it is tqdm's text bar (``tqdm.std.tqdm``, its base) in this process
-    (drawn as HTML through the relay where a notebook's task shows it: :mod:`.tqdm_relay`).
+    Its widgets would send from a fork on the kernel's sockets, which ipykernel refuses (a warning
+    with the whole message in the server's log, each update), or, made in a worker, be shown in the
+    cell with no model behind them ("model not found"); the class loses its own methods, so it is
+    tqdm's text bar (``tqdm.std.tqdm``, its base) in this process (drawn as HTML through the relay
+    where a notebook's task shows it: :mod:`.tqdm_relay`).
     """
-    notebook = sys.modules.get("tqdm.notebook")
     cls = getattr(notebook, "tqdm_notebook", None)
     if cls is None:
         return
