@@ -157,7 +157,7 @@ def test_the_note_names_only_items_that_do_not_come_back():
         def __init__(self):
             self.outs = [torch.zeros(1)]
     model = torch.nn.Sequential(torch.nn.Linear(1, 1))
-    ns = {"rec": types.SimpleNamespace(outs=[torch.zeros(1)], model=model, big=list(range(20_000))),
+    ns = {"rec": types.SimpleNamespace(outs=[torch.zeros(1)], model=model, big=[0] * 1_000_001),
           "held": {"model": model, "outs": {"val": []}}, "opaque": Opaque()}
     tree = ast.parse("rec.outs[0] = t\nrec.new['a'] = t\nrec.model[0] = layer\nrec.big[0] = 1\n"
                      "held['outs']['val'][0] = t\nheld['model'].size = 3\nopaque.outs[0] = t\n")

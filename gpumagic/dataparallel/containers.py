@@ -31,8 +31,8 @@ way (:mod:`.returnable`), and so is a notebook list or dict of plain values the 
 tensors (``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
 container's items before and after the cell on rank 0 (and so the lists and dicts they hold, up to
 10,000 items each), copies of its plain items, and a fingerprint of each tensor or array item
-(:mod:`.touched`); a longer one (a history of every step) is kept as a shallow copy, its items
-compared by identity, up to :data:`LONG_ITEMS`.
+(:mod:`.touched`); a longer one (a history of every step) by the identity of its items, up to
+:data:`LONG_ITEMS`, its unchanged runs sent as spans (:mod:`.long_items`).
 
 Runs in the workers (:func:`snapshot`, :func:`changes`) and in the kernel (:func:`apply`).
 """
@@ -41,18 +41,19 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-import operator
 
 from ..cell.values import equal_values, is_plain_value, same_tuple_type
 from ..procs.returning import RETURN_LIMIT
 from .container_models import layer_of, made_model, model_bytes
+from .long_items import LONG_ITEMS, Shallow, listed, mapped
 from .touched import READ_WHOLE_BYTES, fingerprint, is_array
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["snapshot", "changes", "apply", "is_container", "holds_containers", "records_of", "describe", "rebuilt",
            "made_in_cell", "array_bytes", "Room", "grown", "planned", "refill_all", "same_value", "kind_of",
-           "is_listlike", "detached_typed", "same_dict_type", "held_inside", "item_at", "LONG_ITEMS"]
+           "is_listlike", "detached_typed", "same_dict_type", "held_inside", "item_at", "LONG_ITEMS", "is_list_or_dict",
+           "compared_items"]
 
 _PLAIN, _ARRAY, _OBJECT, _NESTED, _LONG = "plain", "array", "object", "nested", "long"
 # What is compared item by item: refilled in place, its type (and a defaultdict's default_factory) kept.
@@ -60,15 +61,17 @@ _PLAIN, _ARRAY, _OBJECT, _NESTED, _LONG = "plain", "array", "object", "nested", 
 _KINDS = (list, dict, collections.defaultdict, collections.OrderedDict)
 # Lists and dicts held in a compared one are compared inside too, this many levels down.
 _DEPTH = 3
-# Longer ones than :data:`_COPIED_ITEMS` (a history of every step, a dataset's samples) are kept as a shallow
-# copy, compared item by item by identity (one pass, no copies), up to this many items; longer ones, not at all.
-LONG_ITEMS = 1_000_000
 
 
 def is_container(value, limit: int) -> bool:
     """A list or dict (a defaultdict, an OrderedDict) of at most ``limit`` items that holds more than
     plain values."""
     return type(value) in _KINDS and len(value) <= limit and not is_plain_value(value)
+
+
+def is_list_or_dict(value, limit: int | None = None) -> bool:
+    """A list or dict whose items rank 0 can compare (of at most ``limit`` items)."""
+    return type(value) in _KINDS and (limit is None or len(value) <= limit)
 
 
 def holds_containers(value, limit: int) -> bool:
@@ -141,34 +144,21 @@ def _record(item, depth: int):
             return item, _PLAIN, copy.deepcopy(detached_typed(item))
         except Exception:   # a plain value that does not copy (rare): compared by identity
             logger.debug("an item could not be copied to compare", exc_info=True)
-    if type(item) in _KINDS and len(item) <= LONG_ITEMS:
-        return item, _LONG, _Shallow(item)
+    if is_list_or_dict(item, LONG_ITEMS):
+        return item, _LONG, Shallow(item)
     return item, _OBJECT, None
 
 
 # A plain item with more than this many items (a history of a million losses, a vocabulary) is not
 # copied to compare, each cell, on the way to the first step: its items are compared by identity
-# (:class:`_Shallow`), so a change inside one of them (a list it holds, appended to) is missed.
+# (:class:`~.long_items.Shallow`), so a change inside one of them (a list it holds, appended to) is missed.
 _COPIED_ITEMS = 10_000
 
 
-class _Shallow:
-    """A long list's or dict's items as the cell started, not copied: one pass before and after the cell."""
-
-    def __init__(self, container):
-        self.keys = list(container) if isinstance(container, dict) else None
-        self.values = list(container.values() if isinstance(container, dict) else container)
-
-    def same(self, container) -> bool:
-        """Whether ``container`` holds the same objects, under the same keys, in the same order."""
-        values = container.values() if isinstance(container, dict) else container
-        return len(container) == len(self.values) and all(map(operator.is_, values, self.values)) and (
-            self.keys is None or list(container) == self.keys)
-
-    def records(self) -> dict:
-        """Records of its items, each compared by identity (:func:`describe`)."""
-        keys = self.keys if self.keys is not None else range(len(self.values))
-        return {k: (v, _OBJECT, None) for k, v in zip(keys, self.values)}
+def compared_items(container):
+    """What rank 0 keeps of a list or dict to compare after the cell (:func:`describe`): its items' records,
+    or, past 10,000 items, their references (:class:`~.long_items.Shallow`)."""
+    return Shallow(container) if len(container) > _COPIED_ITEMS else records_of(container)
 
 
 def _read_whole(depth: int) -> int:
@@ -199,8 +189,7 @@ def _same_order(a, b) -> bool:
 def snapshot(ns: dict, names: list[str]) -> dict:
     """Rank 0, as the cell starts: ``{name: (container, {key: record})}`` (a long one's record: its items,
     compared by identity)."""
-    return {n: (ns[n], _Shallow(ns[n]) if len(ns[n]) > _COPIED_ITEMS else records_of(ns[n])) for n in names
-            if n in ns}
+    return {n: (ns[n], compared_items(ns[n])) for n in names if n in ns}
 
 
 def changes(ns: dict, before: dict, room: Room | None = None, described: set[int] | None = None,
@@ -220,10 +209,6 @@ def changes(ns: dict, before: dict, room: Room | None = None, described: set[int
         if id(container) in described:
             continue   # one container under two names comes back once (the kernel refills it once)
         described.add(id(container))
-        if isinstance(records, _Shallow):
-            if records.same(container):
-                continue
-            records = records.records()
         entries, changed, foreign = describe(container, records, named)
         if not changed:
             continue
@@ -280,21 +265,27 @@ def records_of(container, depth: int = 0) -> dict:
 
 def describe(container, records: dict, named: dict | None = None) -> tuple[list, bool, list[str]]:
     """``container``'s contents in terms of the items ``records`` kept (``{}``: a container new to the
-    notebook) and of the notebook's ``named`` objects (as :func:`changes`): ``(entries, changed, where
-    an object made in the cell is held)``; entries as the module says, ``(key, entry)`` for a dict."""
+    notebook; a :class:`~.long_items.Shallow`: a long one) and of the notebook's ``named`` objects (as
+    :func:`changes`): ``(entries, changed, where an object made in the cell is held)``; entries as the
+    module says, ``(key, entry)`` for a dict."""
     entries, changed, foreign = _described(container, records, named or {}, 0)
     return entries, changed, [repr(p[0]) + "".join(f"[{k!r}]" for k in p[1:]) for p in foreign]
 
 
-def _described(container, records: dict, named: dict, depth: int) -> tuple[list, bool, list[tuple]]:
+def _described(container, records, named: dict, depth: int, items: list | None = None) -> tuple[list, bool, list]:
+    """:func:`describe` a level down (``depth``); ``items``: the ``(key, item)`` to describe, where not all."""
+    if isinstance(records, Shallow):   # (a long one: the items between its unchanged head and tail, by identity)
+        return records.described(container, lambda old, new: _described(
+            container, {k: (v, _OBJECT, None) for k, v in old.items()}, named, depth, new)[::2])
     # (plain values are compared by value: small numbers are one object wherever they are; their
     # lists and dicts are objects of their own)
     by_id = {id(r[0]): k for k, r in records.items() if r[1] != _PLAIN or type(r[0]) in _KINDS}
     entries: list = []
     foreign: list[tuple] = []
     # (a key moved to the end, ``d["a"] = d.pop("a")``: the notebook's dict takes rank 0's order)
-    changed = len(container) != len(records) or isinstance(container, dict) and list(container) != list(records)
-    for key, item in _items(container):
+    changed = items is not None or len(container) != len(records) or \
+        isinstance(container, dict) and list(container) != list(records)
+    for key, item in _items(container) if items is None else items:
         here = records.get(key)
         plain = is_plain_value(item) and not is_array(item)
         # (numbers and strings are values, not objects of the notebook's to share)
@@ -338,18 +329,13 @@ def _kept(key, item, record: tuple, named: dict, depth: int) -> tuple:
     if kind == _ARRAY:
         return (("filled", key, detached_typed(item)), True, []) if fingerprint(item, _read_whole(depth)) != kept \
             else (("old", key), False, [])
-    if kind == _LONG:   # (a long list, compared by identity: sent whole where plain)
-        if kept.same(item):
-            return ("old", key), False, []
-        if is_plain_value(item):
-            return ("filled", key, detached_typed(item)), True, []
     if kind == _PLAIN and is_plain_value(item):
         # the notebook's own list or dict (``held["hist"] is hist``): kept, refilled where changed,
         # so other names holding it see the change and its type (a defaultdict) stays
         return (("old", key), False, []) if same_value(detached_typed(item), kept) else \
             (("filled", key, detached_typed(item)), True, [])
     # a list or dict holding objects, or one of plain values that came to hold tensors (compared to its copy)
-    records = kept if kind == _NESTED else kept.records() if kind == _LONG else records_of(kept, depth + 1)
+    records = kept if kind in (_NESTED, _LONG) else records_of(kept, depth + 1)
     inner, changed, bad = _described(item, records, named, depth + 1)
     if bad or not changed:
         return ("old", key), bad != [], bad
@@ -417,9 +403,9 @@ def array_bytes(entries: list, kind) -> int:
 def rebuilt(old, kind, entries: list, plans: dict, ns: dict | None = None):
     """A new ``kind`` (:func:`kind_of`) of ``entries``, their old items taken from the notebook's ``old``,
     its objects by name from ``ns``; lists and dicts it held changed inside are planned into ``plans``."""
-    if is_listlike(kind):
-        return _made(kind, [_item(old, e, plans, ns) for e in entries])
-    return _made(kind, {k: _item(old, e, plans, ns) for k, e in entries})
+    def item(e):
+        return _item(old, e, plans, ns)
+    return _made(kind, listed(old, entries, item) if is_listlike(kind) else mapped(old, entries, item))
 
 
 def apply(ns: dict, contents: dict) -> list[str]:

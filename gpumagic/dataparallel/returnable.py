@@ -14,8 +14,9 @@ Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.r
   ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell,
   and those the cell deleted (``del cfg.name``) are deleted there; lists and dicts of tensors
   (``self.outs.append(model(x).detach())``) take rank 0's tensors, on the CPU (:mod:`.containers`),
-  and torch Datasets (a DataModule's ``self.train_set``) come back pickled, holding the notebook's
-  own datasets and tensors where they did (:mod:`.by_reference`);
+  lists and dicts of more than 10,000 items (a history of every step) what changed in them, compared by
+  identity (:mod:`.long_items`), and torch Datasets (a DataModule's ``self.train_set``) come back
+  pickled, holding the notebook's own datasets and tensors where they did (:mod:`.by_reference`);
 * **names bound to the notebook's own objects** (``alias = args``): bound to the same object.
 
 In a notebook::
@@ -35,22 +36,25 @@ from .container_models import made_model, model_bytes
 from .containers import (
     Room,
     array_bytes,
+    compared_items,
     describe,
     detached_typed,
     holds_containers,
     is_container,
+    is_list_or_dict,
     kind_of,
     made_in_cell,
-    records_of,
     same_value,
 )
+from .long_items import LONG_ITEMS, TooLong
 from .touched import fingerprint, is_array
 
 __all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
            "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared", "attribute_items"]
 
 _MISSING = object()
-# A watched attribute holding a longer list or dict (a dataset's samples) is not copied to compare: too slow.
+# A watched attribute holding a longer list or dict (a history of every step) is not copied to compare: too slow;
+# its items are compared by identity, up to :data:`~.long_items.LONG_ITEMS` (:mod:`.long_items`).
 WATCHED_ITEMS = 10_000
 
 
@@ -85,8 +89,8 @@ def watched_paths(ns: dict, names: list[str], depth: int = 3) -> list[str]:
 
 def is_compared(value) -> bool:
     """Whether rank 0 compares a watched object's attribute holding ``value`` (:func:`attribute_snapshot`):
-    tensors and arrays, plain values but long lists and dicts, and lists and dicts holding objects."""
-    return is_array(value) or _small(value) and is_plain_value(value) or is_container(value, WATCHED_ITEMS)
+    tensors and arrays, plain values, and lists and dicts, up to a million items."""
+    return is_array(value) or _small(value) and is_plain_value(value) or is_list_or_dict(value, LONG_ITEMS)
 
 
 def follow_path(ns: dict, path: str):
@@ -100,9 +104,9 @@ def follow_path(ns: dict, path: str):
 
 def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[str]]) -> dict:
     """Rank 0, as the cell starts: ``{path: (copies of attributes, names of all its attributes)}`` for the
-    ``watched`` objects (their public plain attributes, but long lists and dicts, and fingerprints of
-    their tensors and arrays: one pass over each one's bytes, up to 256 MB each) and for the
-    attributes the cell assigns (``assigned``); paths as :func:`follow_path` reads them."""
+    ``watched`` objects (their public plain attributes, lists and dicts, long ones by the identity of their
+    items, and fingerprints of their tensors and arrays: one pass over each one's bytes, up to 256 MB each)
+    and for the attributes the cell assigns (``assigned``); paths as :func:`follow_path` reads them."""
     snapshot: dict = {}
     for name in dict.fromkeys([*watched, *assigned]):
         attrs = getattr(follow_path(ns, name), "__dict__", None)
@@ -119,14 +123,13 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
                     kept[k] = _Items(v)
                 elif _small(v) and is_plain_value(v):
                     kept[k] = _copied(v)
-                elif is_container(v, WATCHED_ITEMS):   # (self.outs holding tensors: its items compared)
-                    kept[k] = _Items(v)
+                elif is_list_or_dict(v):   # (self.outs holding tensors, self.losses of every step: items compared)
+                    kept[k] = _listed(v)
         for k in assigned.get(name, []):
             v = attrs.get(k, _MISSING)
             # a plain value is copied to compare; another is compared by identity (copying may fail)
             kept[k] = _Array(v) if is_array(v) else _Items(v) if holds_containers(v, WATCHED_ITEMS) else \
-                _copied(v) if _small(v) and is_plain_value(v) else \
-                _Items(v) if is_container(v, WATCHED_ITEMS) else _Held(v)
+                _copied(v) if _small(v) and is_plain_value(v) else _listed(v) if is_list_or_dict(v) else _Held(v)
         # (all its attributes, held: a list bound anew is told from the same list refilled)
         snapshot[name] = (kept, dict(attrs))
     return snapshot
@@ -170,7 +173,11 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                 if was.changed():
                     out.filled.setdefault(name, {})[k] = detached(now)
                 continue
-            if isinstance(was, _Items) and now is was.value or is_container(now, WATCHED_ITEMS):
+            if isinstance(was, TooLong) and now is was.value:   # (past a million items: named where changed)
+                if was.changed():
+                    out.dropped.append(was.note(f"{name}.{k}"))
+                continue
+            if isinstance(was, _Items) and now is was.value or is_container(now, LONG_ITEMS):
                 _describe_items(out, room, name, k, now, was, present.get(k, _MISSING), named)
                 continue
             if now is _MISSING or _same(now, was):
@@ -250,11 +257,12 @@ class _Array:
 
 
 class _Items:
-    """A list or dict attribute holding more than plain values: the object, and its items' records."""
+    """A list or dict attribute holding more than plain values, or a long one: the object, and its items'
+    records (:func:`~.containers.compared_items`)."""
 
     def __init__(self, value):
         self.value = value
-        self.records = records_of(value)
+        self.records = compared_items(value)
 
     def __eq__(self, other):
         return other is self.value
@@ -268,6 +276,12 @@ class _Held:
 
     def __eq__(self, other):
         return other is self.value
+
+
+def _listed(value):
+    """What is kept of a list or dict attribute to compare: its items, or past :data:`~.long_items.LONG_ITEMS`
+    items, its length (:class:`~.long_items.TooLong`), for the note."""
+    return _Items(value) if len(value) <= LONG_ITEMS else TooLong(value)
 
 
 def _copied(value):
@@ -285,4 +299,4 @@ def _small(value) -> bool:
 
 
 def _same(a, b) -> bool:
-    return b == a if isinstance(b, _Held) else same_value(a, b)
+    return b == a if isinstance(b, (_Held, TooLong)) else same_value(a, b)
