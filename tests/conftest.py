@@ -63,6 +63,17 @@ def run_cell(shell, source: str):
     return result, cap.stdout + cap.stderr, cap
 
 
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds (polled every 10 ms)."""
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
 @pytest.fixture
 def no_cuda_init(monkeypatch):
     """Fail the test if anything asks torch to initialise CUDA."""

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.conftest import run_cell
+from tests.test_magics_gpumem_autograd import row, vars_json
 
 pytestmark = pytest.mark.usefixtures("no_last_error")
 
@@ -43,16 +44,6 @@ def _saved_by_torch(_fn, *_held):
     _new = [v for p, v in _seen.items() if p not in _held_ptrs]
     return sum(n for n, _ in _new), {str(d) for _, d in _new}
 """
-
-
-def vars_json(shell) -> dict:
-    return shell.run_line_magic("gpumem", "--vars --json")
-
-
-def row(held: dict, name: str) -> dict | None:
-    found = [v for v in held["variables"] if v["name"] == name]
-    assert len(found) <= 1
-    return found[0] if found else None
 
 
 def ok(shell, source: str) -> str:

@@ -12,6 +12,7 @@ from IPython.utils.capture import capture_output
 
 from gpumagic.devices import nvml
 from gpumagic.widgets import monitor
+from tests.conftest import wait_for
 from tests.fake_nvml import four_gpu_machine, installed
 
 BOUND = 0.5   # seconds: nvml.READ_TIMEOUT for these tests
@@ -71,14 +72,6 @@ def notebook(shell, monkeypatch):
 def readers():
     return [t for t in threading.enumerate() if t.name == nvml.READER_NAME and t.is_alive()]
 
-
-def wait_for(condition, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def timed(shell, line, magic="gpuinfo"):

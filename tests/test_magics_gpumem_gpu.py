@@ -19,7 +19,7 @@ import pytest
 from gpumagic import devices
 from gpumagic.devices import memory, variables
 from gpumagic.display import fmt_bytes
-from tests.conftest import run_cell
+from tests.conftest import run_cell, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -36,14 +36,6 @@ def python(code: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
-
-def wait_for(condition, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_gpumem_and_gauges_create_no_cuda_context():

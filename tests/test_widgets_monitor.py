@@ -15,7 +15,7 @@ from gpumagic import devices, session
 from gpumagic.devices import nvml
 from gpumagic.widgets import monitor
 from gpumagic.widgets.gauge import MemoryGauge
-from tests.conftest import run_cell
+from tests.conftest import run_cell, wait_for
 from tests.fake_nvml import four_gpu_machine
 
 GiB = 2**30
@@ -50,14 +50,6 @@ def monitor_threads():
 def open_gauges():
     return [w for w in list(_instances.values()) if isinstance(w, MemoryGauge)]
 
-
-def wait_for(condition, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_one_thread_feeds_a_gauge_per_device(notebook, machine, messages):
