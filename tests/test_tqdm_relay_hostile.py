@@ -95,6 +95,13 @@ for k in tqdm(range(4), desc="shared"):
     ((model(X[k::4]) - Y[k::4]) ** 2).mean().backward()
 """
 
+# Hogwild's first epoch over the notebook's loader: each worker reads half of it (4 of 8 batches)
+SHARED_LOADER = """\
+from tqdm.auto import tqdm
+for x, y in tqdm(loader, desc="hogwild"):
+    step(x, y)
+"""
+
 NESTED = """\
 from tqdm.auto import trange, tqdm
 print("before")
@@ -150,7 +157,7 @@ for epoch in range(50):
 CELLS = {"load": "%load_ext gpumagic", "setup": SETUP, "notebook": DP + NOTEBOOK_BARS, "open": DP + LEFT_OPEN,
          "error": DP + OPEN_AT_ERROR, "after_error": DP + PLAIN, "loader_workers": DP + IN_LOADER_WORKERS,
          "shared_spawn": "%%sharedtrain --nprocs 2 --start-method spawn\n" + SHARED_NOTEBOOK_BARS,
-         "nested": DP + NESTED, "fast": DP + FAST, "many": DP + MANY, "disable_none": DP + DISABLE_NONE,
+         "shared_loader": "%%sharedtrain --nprocs 2\n" + SHARED_LOADER, "nested": DP + NESTED, "fast": DP + FAST, "many": DP + MANY, "disable_none": DP + DISABLE_NONE,
          "slow": DP + SLOW, "after_interrupt": DP + PLAIN, "stop": "%dataparallel stop"}
 INDEX = {name: i for i, name in enumerate(CELLS)}
 
@@ -228,6 +235,16 @@ def test_a_sharedtrain_worker_started_fresh_draws_tqdm_notebook_as_html_bars(not
     finals = sorted(shown[-1][1] for shown in bars.values())
     assert [re.search(r"<span>(\[rank \d\]) shared: 100%", html).group(1) for html in finals] == \
         ["[rank 0]", "[rank 1]"]
+
+
+def test_a_sharedtrain_workers_bar_over_its_share_of_the_loader_ends_full_and_green(notebook):
+    """len(loader) before the first pass is the whole loader's (an evaluation pass reads it whole); once the
+    pass is split, the bar's total is the worker's share, as tqdm would have taken it."""
+    cell, bars, _ = _cell(notebook, "shared_loader")
+    assert not _errors(cell), cell.outputs
+    finals = [shown[-1][1] for shown in bars.values()]
+    assert len(finals) == 2
+    assert all(_count(html) == "4/4" and GREEN in html for html in finals), finals
 
 
 @pytest.mark.parametrize("name, error", [("open", None), ("error", "ValueError: bad batch")])

@@ -46,6 +46,7 @@ __all__ = ["relay_bars", "notebook_bars", "render"]
 
 MIN_INTERVAL = 0.1    # seconds between a bar's updates at least (tqdm's default mininterval)
 _ATTR = "_gpumagic_html"   # on a bar: its _Shown once drawn as HTML, False once drawn as text
+_LEN_TOTAL = "_gpumagic_len_total"   # on an HTML bar: its total was len() of a loader whose share may follow
 _STYLES = {"success": "#5cb85c", "danger": "#d9534f"}   # tqdm.notebook's (ipywidgets') bar colours
 
 _on = False
@@ -136,6 +137,7 @@ def _patch(module) -> None:
         if shown is None:
             return own_display(self, msg=msg, pos=pos)
         if msg != "":   # (tqdm's "" erases the line: the notebook's bar stays until it closes)
+            _follow_share(self)
             _draw(self, shown)
         return True
 
@@ -148,6 +150,7 @@ def _patch(module) -> None:
         shown = vars(self).get(_ATTR)
         if not isinstance(shown, _Shown) or getattr(self, "disable", True):
             return own_close(self)
+        _follow_share(self)
         leave = abs(self.pos) == 0 if self.leave is None else self.leave
         # tqdm's own close, as for a GUI bar (no screen printer): it writes no line end or erase.
         printer = vars(self).pop("sp", None)
@@ -170,19 +173,41 @@ def _patch(module) -> None:
         method.__doc__ = getattr(cls, name).__doc__
         setattr(cls, name, method)
     if not getattr(cls.__init__, "_gpumagic_html", False):
-        cls.__init__ = _shown_if_auto(cls.__init__)
+        cls.__init__ = _html_init(cls.__init__)
 
 
-def _shown_if_auto(own_init):
+def _html_init(own_init):
     """tqdm's ``disable=None`` hides a bar off a terminal (a worker's streams are none); tqdm.notebook,
-    which a plain cell draws, shows it: so does a bar that will be drawn as HTML."""
+    which a plain cell draws, shows it: so does a bar that will be drawn as HTML. Such a bar whose total
+    is its iterable's ``len()`` is marked, for :func:`_follow_share`."""
     @functools.wraps(own_init)
     def __init__(self, *args, **kwargs):
-        if "disable" in kwargs and kwargs["disable"] is None and _html_now() is not None:
+        html = _html_now() is not None
+        if html and "disable" in kwargs and kwargs["disable"] is None:
             kwargs["disable"] = False
         own_init(self, *args, **kwargs)
+        if html and kwargs.get("total") is None and len(args) < 3:   # (iterable, desc, total, ...)
+            vars(self)[_LEN_TOTAL] = True
     __init__._gpumagic_html = True
     return __init__
+
+
+def _follow_share(bar) -> None:
+    """A bar over a loader the worker reads a share of (``tqdm(loader)``) took its total from ``len()``
+    before the pass began: the whole loader's, until a split pass has started (an evaluation pass reads
+    it whole). Once one has, the total is the share's, as tqdm would have taken it then."""
+    if not vars(bar).get(_LEN_TOTAL):
+        return
+    from .loaders import ShardedBatchSampler
+    sampler = getattr(getattr(bar, "iterable", None), "batch_sampler", None)
+    if not isinstance(sampler, ShardedBatchSampler):
+        vars(bar)[_LEN_TOTAL] = False
+    elif sampler.trained:
+        vars(bar)[_LEN_TOTAL] = False
+        try:
+            bar.total = len(bar.iterable)
+        except TypeError:   # (no length after all: the total stays as tqdm took it)
+            logger.debug("the loader of a tqdm bar has no length", exc_info=True)
 
 
 def _forget_in_child() -> None:
