@@ -157,7 +157,8 @@ for epoch in range(50):
 CELLS = {"load": "%load_ext gpumagic", "setup": SETUP, "notebook": DP + NOTEBOOK_BARS, "open": DP + LEFT_OPEN,
          "error": DP + OPEN_AT_ERROR, "after_error": DP + PLAIN, "loader_workers": DP + IN_LOADER_WORKERS,
          "shared_spawn": "%%sharedtrain --nprocs 2 --start-method spawn\n" + SHARED_NOTEBOOK_BARS,
-         "shared_loader": "%%sharedtrain --nprocs 2\n" + SHARED_LOADER, "nested": DP + NESTED, "fast": DP + FAST, "many": DP + MANY, "disable_none": DP + DISABLE_NONE,
+         "shared_loader": "%%sharedtrain --nprocs 2\n" + SHARED_LOADER,
+         "nested": DP + NESTED, "fast": DP + FAST, "many": DP + MANY, "disable_none": DP + DISABLE_NONE,
          "slow": DP + SLOW, "after_interrupt": DP + PLAIN, "stop": "%dataparallel stop"}
 INDEX = {name: i for i, name in enumerate(CELLS)}
 
