@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["snapshot", "changes", "apply", "is_container", "holds_containers", "records_of", "describe", "rebuilt",
            "made_in_cell", "array_bytes", "Room", "grown", "planned", "refill_all", "same_value", "kind_of",
-           "is_listlike", "detached_typed", "same_dict_type", "held_inside", "item_at", "LONG_ITEMS", "is_list_or_dict",
+           "is_listlike", "detached_typed",
+           "tensors_mapped", "same_dict_type", "held_inside", "item_at", "LONG_ITEMS", "is_list_or_dict",
            "compared_items"]
 
 _PLAIN, _ARRAY, _OBJECT, _NESTED, _LONG = "plain", "array", "object", "nested", "long"
@@ -120,14 +121,20 @@ def detached_typed(value):
     """:func:`~gpumagic.cell.values.detached`, where defaultdicts and OrderedDicts stay what they are
     (``history = defaultdict(list)`` in the cell: the next cell's ``history["new"].append`` works)."""
     import torch
+    return tensors_mapped(value, torch.Tensor.detach)
+
+
+def tensors_mapped(value, fn):
+    """``value`` with ``fn`` applied to each tensor in it, through dicts (of their type), lists and tuples."""
+    import torch
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return fn(value)
     if isinstance(value, dict):
-        return same_dict_type(value, {k: detached_typed(v) for k, v in value.items()})
+        return same_dict_type(value, {k: tensors_mapped(v, fn) for k, v in value.items()})
     if isinstance(value, list):
-        return [detached_typed(v) for v in value]
+        return [tensors_mapped(v, fn) for v in value]
     if isinstance(value, tuple):
-        return same_tuple_type(value, [detached_typed(v) for v in value])
+        return same_tuple_type(value, [tensors_mapped(v, fn) for v in value])
     return value
 
 

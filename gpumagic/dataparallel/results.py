@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..cell.module_settings import apply_settings
-from ..cell.values import is_stateful, same_tuple_type
+from ..cell.values import is_stateful
 from .by_reference import loaded, resolved
 from .returnable import follow_path
 
@@ -443,17 +443,11 @@ def _optimizer_state_to_keep(opt, sd: dict) -> dict:
 
 
 def cloned(obj):
+    """``obj`` with each tensor in it cloned (dicts keep their type)."""
     import torch
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):   # (a defaultdict or an OrderedDict stays one)
-        from .containers import same_dict_type
-        return same_dict_type(obj, {k: cloned(v) for k, v in obj.items()})
-    if isinstance(obj, list):
-        return [cloned(v) for v in obj]
-    if isinstance(obj, tuple):
-        return same_tuple_type(obj, [cloned(v) for v in obj])
-    return obj
+
+    from .containers import tensors_mapped
+    return tensors_mapped(obj, torch.Tensor.clone)
 
 
 def unbind_not_returned(ns: dict, assigned: list, not_returned: list[str], still_bound: list[str]) -> None:
