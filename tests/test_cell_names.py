@@ -9,8 +9,19 @@ from gpumagic.cell.names import (
     items_assigned,
     names_assigned,
     names_deleted,
+    notebook_names,
     used_names,
 )
+
+
+def test_the_shells_names_are_not_the_users_unless_the_user_bound_them_anew():
+    shell_out, shell_exit = {}, object()
+    hidden = {"Out": shell_out, "In": [], "exit": shell_exit}
+    ns = {**hidden, "_": 5, "_i3": "x", "_12": 1, "model": 1, "loss": 2}
+    assert notebook_names(["Out", "In", "exit", "_", "_i3", "_12", "model", "absent"], ns, hidden) == ["model"]
+    ns["Out"] = tuple   # ``Out = namedtuple("Out", ...)`` in a notebook cell: the user's now, and read by the cell
+    ns["exit"] = 3
+    assert notebook_names(["Out", "In", "exit", "loss"], ns, hidden) == ["Out", "exit", "loss"]
 
 
 def test_used_names_follow_notebook_functions():

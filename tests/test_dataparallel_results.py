@@ -87,9 +87,27 @@ def test_names_without_a_top_level_statement_are_reported():
     ns: dict = {}
     done, failed = define(ns, ["hidden", "SCALE", "i", "scaled"])
     assert done == ["scaled"]
-    reason = "(not bound by a def, class or import at the top of the cell)"
+    reason = "(not bound by a def, class, import or namedtuple(...) at the top of the cell)"
     assert failed == [f"hidden {reason}", f"SCALE {reason}", f"i {reason}"]
     assert "hidden" not in ns and "SCALE" not in ns and "i" not in ns
+
+
+def test_a_class_made_by_namedtuple_or_enum_is_defined_but_no_other_assignment_runs():
+    cell = """\
+import collections, enum
+from dataclasses import make_dataclass
+Out = collections.namedtuple("Out", "loss step")
+Color = enum.Enum("Color", "RED GREEN")
+Stat = make_dataclass("Stat", ["loss"])
+made = build()
+"""
+    ns: dict = {"build": lambda: 1 / 0}
+    done, failed = define(ns, ["collections", "enum", "make_dataclass", "Out", "Color", "Stat", "made"], cell=cell)
+    assert done == ["collections", "enum", "make_dataclass", "Out", "Color", "Stat"]
+    assert failed == ["made (not bound by a def, class, import or namedtuple(...) at the top of the cell)"]
+    assert ns["Out"](1.5, 2).step == 2 and ns["Out"]._fields == ("loss", "step")
+    assert [c.name for c in ns["Color"]] == ["RED", "GREEN"]
+    assert ns["Stat"](3).loss == 3 and "made" not in ns
 
 
 def test_statements_that_raise_are_reported_with_the_reason_and_the_rest_defined():

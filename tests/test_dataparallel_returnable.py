@@ -69,7 +69,8 @@ with torch.no_grad():
 predictions = preds.numpy()                # a numpy array
 summary = Summary(float(loss), 16)         # an instance of a class the cell defines
 config = argparse.Namespace(width=8)
-holder = {"net": model}                    # holds the ranks' module: stays
+holder = {"net": model, "opt": opt}       # holds the notebook's model and optimizer: those, trained
+made = {"net": torch.nn.Linear(2, 2)}      # holds a module made in the cell: stays in the ranks
 """)
     ns = shell.user_ns
     assert isinstance(ns["preds"], torch.Tensor) and ns["preds"].device.type == "cpu"
@@ -79,9 +80,55 @@ holder = {"net": model}                    # holds the ranks' module: stays
     assert isinstance(ns["predictions"], np.ndarray) and np.allclose(ns["predictions"], ns["preds"].numpy())
     assert isinstance(ns["summary"], ns["Summary"]) and ns["summary"].steps == 16   # the notebook's class
     assert ns["config"].width == 8
-    assert "holder" not in ns
+    assert ns["holder"]["net"] is ns["model"] and ns["holder"]["opt"] is ns["opt"]   # as after a plain cell
+    assert "made" not in ns
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
-    assert "holder (holds a torch.nn.Module (Linear), which stays in the ranks)" in note, note
+    assert "made (holds a torch.nn.Module (Linear), which stays in the ranks)" in note, note
+    assert "holder" not in note
+
+
+def test_objects_the_cell_binds_hold_the_notebooks_objects_and_classes(shell):
+    run_cell(shell, SETUP)
+    ns = shell.user_ns
+    model, X = ns["model"], ns["X"]
+    _, cap = dp_cell(shell, CPU2, """
+import collections
+Out = collections.namedtuple("Out", "loss step")
+
+@dataclasses.dataclass
+class Stat:
+    loss: float
+    step: int
+
+history, stats = [], []
+for step, (x, y) in enumerate(loader):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    history.append(Out(loss.detach(), step))
+    stats.append(Stat(float(loss), step))
+best = {"model": model, "data": X, "copy": model, "log": LossLog()}
+runs = [(model, 1), (model, 2)]
+""")
+    assert "not brought back" not in cap.stderr, cap.stderr
+    # the notebook's classes, defined again in the kernel, and instances of them, not of copies
+    Out, Stat = ns["Out"], ns["Stat"]
+    assert [type(o) for o in ns["history"]] == [Out] * 8 and [o.step for o in ns["history"]] == list(range(8))
+    assert all(type(s) is Stat for s in ns["stats"]) and ns["stats"][-1].step == 7
+    assert ns["history"][-1].loss.item() == pytest.approx(ns["stats"][-1].loss)
+    # the notebook's model (trained in place), tensor and class, once each
+    assert ns["best"]["model"] is model and ns["best"]["copy"] is model and ns["best"]["data"] is X
+    assert type(ns["best"]["log"]) is ns["LossLog"]
+    assert [r[0] is model for r in ns["runs"]] == [True, True]
+    # a later cell appends to the notebook's list with the notebook's Out (a name IPython's shell also uses)
+    history = ns["history"]
+    _, cap = dp_cell(shell, CPU2, """
+for x, y in loader:
+    history.append(Out(float(torch.nn.functional.mse_loss(model(x), y)), len(history)))
+""")
+    assert ns["history"] is history and len(history) == 16 and all(type(o) is Out for o in history)
+    assert [o.step for o in history[8:]] == list(range(8, 16))
 
 
 def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell):

@@ -442,9 +442,12 @@ def notebook_names(names: list[str], ns: dict, hidden: dict | None = None) -> li
     hidden = hidden or {}
     out = []
     for n in names:
-        if n not in ns or n in _SHELL or _HISTORY.match(n):
+        if n not in ns:
             continue
-        if n in hidden and hidden[n] is ns[n]:
+        if n in hidden:   # the shell's own (``Out``), unless the user bound the name anew (``Out = namedtuple(...)``)
+            if hidden[n] is ns[n]:
+                continue
+        elif n in _SHELL or _HISTORY.match(n):
             continue
         out.append(n)
     return out

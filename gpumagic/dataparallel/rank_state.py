@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import types
 
+from ..cell.definitions import definitions
 from ..cell.module_settings import module_settings
 from ..cell.values import detached, is_plain_value
-from ..procs.returning import RETURN_LIMIT, NotReturnable, pickled_for_notebook
+from ..procs.returning import RETURN_LIMIT, NotReturnable
 from ..procs.torch_settings import changed, current
 from ..procs.wire import pack
 from .by_reference import pickled
@@ -28,6 +29,9 @@ from .scripting import scripted_results
 from .touched import changed as changed_arrays
 
 logger = logging.getLogger(__name__)
+
+# values, not objects to share: they travel as themselves (an int a notebook name holds is no reference)
+_VALUES = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset)
 
 __all__ = ["rank0_state", "pack_state", "RemoteRepr", "unwrapped", "stands_alone"]
 
@@ -75,13 +79,25 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     # torch.jit.script(model) in the cell: the kernel scripts the notebook's model again
     state["scripted"], traced = scripted_results(ns, meta["return_names"], meta.get("scripted", {}))
     state["not_returned"] += list(traced.values())
+    # the notebook's objects by name (``reg["aux"] = m2`` puts the notebook's m2 there, or its DDP wrapper);
+    # not those of names the cell binds (``x += 1`` on a tensor: the kernel's x would not have the change)
+    bound = set(meta["assigned"])
+    named = {i: held for i, held in {**before, **{id(m): (n, m) for n, m in inner.items()}}.items()
+             if held[0] not in bound}
+    # what an object the cell binds holds of them (``holder = {"net": model}``) travels by name
+    by_name = {i: held for i, held in named.items() if not isinstance(held[1], _VALUES)}
+    # and so do the classes the kernel defines again (``stats = [Stat(...)]`` holds the notebook's Stat)
+    definable = definitions(meta["tree"]) if "tree" in meta else {}
+    by_name.update({id(ns[n]): (n, ns[n]) for n in state["defined"] if isinstance(ns.get(n), type) and n in definable})
     grew: list[str] = []
     for n in meta["return_names"]:
         if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced \
                 or n in meta.get("containers", ()):   # (compared item by item: containers.changes)
             continue
         v = ns[n]
-        if is_plain_value(v) or n in meta.get("filled", ()):   # (a tensor the cell set items of: filled in place)
+        if is_plain_value(v) and (n in meta["loop_targets"] or not _holds_notebook_tuples(v)) \
+                or n in meta.get("filled", ()):
+            # (a tensor the cell set items of: filled in place)
             state["values"][n] = detached_typed(v)   # (a defaultdict stays one)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
                 and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
@@ -91,18 +107,13 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             elif model is not None:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
-                _add_object(state, n, v)
+                _add_object(state, n, v, by_name)
         elif n not in meta["assigned"] and isinstance(v, (list, dict)):   # (a defaultdict too: refilled, kept)
             grew.append(n)   # a notebook list of plain values the cell appended tensors to (containers.grown)
     for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
         state["values"][n] = detached(ns[n])
     # tensors in lists and dicts, and datasets, share what one cell brings back with the objects above
-    room = Room(RETURN_LIMIT - sum(len(b) for b in state["objects"].values()))
-    # the notebook's objects by name (``reg["aux"] = m2`` puts the notebook's m2 there, or its DDP wrapper);
-    # not those of names the cell binds (``x += 1`` on a tensor: the kernel's x would not have the change)
-    bound = set(meta["assigned"])
-    named = {i: held for i, held in {**before, **{id(m): (n, m) for n, m in inner.items()}}.items()
-             if held[0] not in bound}
+    room = Room(RETURN_LIMIT - sum(len(b) for b, _ in state["objects"].values()))
     attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room, named)
     state["attributes"], state["attributes_filled"] = attributes.changed, attributes.filled
     state["attribute_items"], state["attributes_kept"] = attributes.items, attributes.kept
@@ -159,11 +170,23 @@ def _aliases(ns: dict, meta: dict) -> dict:
     return aliases
 
 
-def _add_object(state: dict, name: str, value) -> None:
-    """An object the cell assigned, pickled, within what one cell brings back; else named with why."""
-    room = RETURN_LIMIT - sum(len(b) for b in state["objects"].values())
+def _holds_notebook_tuples(value, depth: int = 0) -> bool:
+    """Whether a plain value holds instances of the notebook's namedtuples (``Out(loss, step)``): those
+    travel as objects, their class by name (:func:`_add_object`), so that they are of the notebook's class."""
+    if isinstance(value, tuple) and type(value).__module__ == "__main__":
+        return True
+    if depth >= 4 or not isinstance(value, (list, tuple, dict)):
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds_notebook_tuples(v, depth + 1) for v in items)
+
+
+def _add_object(state: dict, name: str, value, by_name: dict) -> None:
+    """An object the cell assigned, pickled with the notebook's objects it holds by their names
+    (``(blob, names)``: :mod:`.by_reference`), within what one cell brings back; else named with why."""
+    room = RETURN_LIMIT - sum(len(b) for b, _ in state["objects"].values())
     try:
-        state["objects"][name] = pickled_for_notebook(value, limit=room)
+        state["objects"][name] = pickled(value, by_name, limit=room)
     except NotReturnable as exc:
         state["not_returned"].append(f"{name} ({exc})")
 

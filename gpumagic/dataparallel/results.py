@@ -9,7 +9,6 @@ notebook's objects (:mod:`.returnable`). Nothing changes unless everything fits.
 from __future__ import annotations
 
 import logging
-import pickle
 import sys
 from dataclasses import dataclass, field
 
@@ -97,8 +96,13 @@ def _load_grads(module, grads: dict) -> None:
             p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
 
 
-def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list) -> dict:
-    """Check everything first, then copy rank 0's state into the notebook's objects in place."""
+def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, stateful: list,
+                       define=None) -> dict:
+    """Check everything first, then copy rank 0's state into the notebook's objects in place.
+
+    ``define(names)`` (:func:`~gpumagic.cell.definitions.define_in_notebook`) runs the cell's ``def`` and
+    ``class`` statements again once its values are bound, before the objects it assigned are unpickled:
+    instances of its classes (``stats = [Stat(...)]``) are then of the notebook's ``Stat``."""
     import torch
 
     from .containers import planned as planned_containers
@@ -144,6 +148,11 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     # and the notebook's datasets and tensors that datasets the cell set on its objects hold (by_reference.py)
     datasets = state.get("attribute_objects")
     referenced = resolved(datasets[1], ns) if datasets else {}
+    # and those the objects the cell bound hold (``holder = {"net": model}``: the notebook's model, trained)
+    # (the cell's own classes, which are defined anew below, are found after that)
+    cell_defined = set(state.get("defined") or ())
+    held = {name: resolved([p for p in paths if p not in cell_defined], ns)
+            for name, (_, paths) in (state.get("objects") or {}).items()}
     for name, opt in optimizers.items():
         opt.load_state_dict(_optimizer_state_to_keep(opt, state["optimizers"][name]))
     for name in stateful:
@@ -182,10 +191,11 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 continue
         ns[name] = value
         bound.append(name)
+    defined, not_defined = define(state.get("defined") or []) if define is not None else ([], [])
     objects, not_loaded = [], []
-    for name, blob in (state.get("objects") or {}).items():
+    for name, (blob, paths) in (state.get("objects") or {}).items():
         try:
-            ns[name] = pickle.loads(blob)
+            ns[name] = loaded(blob, {**held[name], **resolved([p for p in paths if p in defined], ns)})
         except Exception as exc:   # named in the cell's note, with the reason
             logger.debug("%s could not be unpickled in the kernel", name, exc_info=True)
             not_loaded.append(f"{name} ({type(exc).__name__}: {exc})")
@@ -241,7 +251,8 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
         import copy
         ns[name] = copy.deepcopy(module)
         made.append(name)
-    return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded}
+    return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded,
+            "defined": defined, "not_defined": not_defined}
 
 
 def _aliased(ns: dict, other):

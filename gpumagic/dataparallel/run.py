@@ -214,10 +214,11 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     # Writing the trained state back takes about as long as copying the model once; an interrupt
     # meanwhile would leave some tensors trained and others not, so it waits for the end.
     with interrupts_deferred() as interrupted:
-        state = _load(ns, pool, payload, buffer, survey, shipment)
+        state = _load(ns, pool, payload, buffer, survey, shipment,
+                      define=lambda names: define_in_notebook(ns, compiled.tree, compiled.filename, names))
         if shipment is not None:
             held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
-        defined, not_defined = define_in_notebook(ns, compiled.tree, compiled.filename, state.get("defined", []))
+        defined, not_defined = state["defined_names"], state["not_defined"]
         torch_settings.apply(state.get("torch_settings") or {})   # what the cell set: torch.set_default_dtype...
         adopt_cell_classes(ns, state["made_names"] + state["object_names"], defined)
         # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
@@ -319,9 +320,10 @@ def _run_on_pool(pool, meta: dict, data, shell, all_output: bool, relays: Relays
     return results, started_at
 
 
-def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=None) -> dict:
-    """Rank 0's state into the notebook's objects; returns it with ``bound``, the values bound
-    (and ``stayed``: fsdp state left in the workers)."""
+def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=None, define=None) -> dict:
+    """Rank 0's state into the notebook's objects; returns it with ``bound``, the values bound,
+    ``defined_names`` and ``not_defined`` (``define``: :func:`~.results.load_into_notebook`'s), and
+    ``stayed`` (fsdp state left in the workers)."""
     from ..procs.wire import unpack
     try:
         state, _ = unpack(payload["state"], buffer, device="cpu", views_from=0)
@@ -331,8 +333,9 @@ def _load(ns: dict, pool, payload: dict, buffer, survey: CellSurvey, shipment=No
         for key in ("attributes", "attributes_filled", "attribute_items", "containers"):
             state[key] = cloned(state.get(key) or {})
         modules, optimizers = ({}, {}) if shipment else (survey.modules, survey.optimizers)
-        loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful)
+        loaded = load_into_notebook(ns, state, modules, optimizers, survey.stateful, define)
         state["bound"], state["made_names"] = loaded["values"], loaded["made"]
+        state["defined_names"], state["not_defined"] = loaded["defined"], loaded["not_defined"]
         state["object_names"], state["not_loaded"] = loaded["objects"], loaded["not_loaded"]
         unbind_not_returned(ns, survey.assigned, state.get("not_returned", []) + state["not_loaded"],
                             state.get("still_bound", []))
