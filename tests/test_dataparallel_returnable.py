@@ -13,6 +13,7 @@ import ast
 import numpy as np
 import pytest
 import torch
+from tqdm.auto import tqdm
 
 from gpumagic.cell.names import attributes_assigned
 from gpumagic.dataparallel.returnable import attribute_snapshot, changed_attributes
@@ -235,6 +236,7 @@ def test_pickled_for_notebook_detaches_copies_and_refuses_what_stays_in_the_rank
                        ([torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)], "holds an optimizer (SGD)"),
                        (torch.utils.data.DataLoader([1, 2]), "holds a DataLoader"),
                        ({"acc": _accelerator_like()}, "holds an Accelerator, which stays in the ranks"),
+                       (tqdm(range(3), disable=True), "holds a tqdm progress bar, which stays in the ranks"),
                        ((x for x in [1]), "TypeError: cannot pickle")]:
         with pytest.raises(NotReturnable, match=__import__("re").escape(why)):
             pickled_for_notebook(value)

@@ -24,7 +24,9 @@ RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, al
 # (package root, class name): framework objects bound to the ranks' processes.
 _PROCESS_BOUND = {("transformers", "Trainer"), ("accelerate", "Accelerator"), ("lightning", "Trainer"),
                   ("pytorch_lightning", "Trainer"), ("lightning", "Fabric"), ("lightning_fabric", "Fabric"),
-                  ("torch", "ProcessGroup")}
+                  ("torch", "ProcessGroup"), ("tqdm", "tqdm")}
+# how the note names some of them
+_CALLED = {"tqdm": "a tqdm progress bar"}
 
 
 class NotReturnable(Exception):
@@ -85,5 +87,5 @@ def _process_bound(obj) -> str | None:
         return "a DataLoader"
     for cls in type(obj).__mro__:
         if (cls.__module__.split(".")[0], cls.__name__) in _PROCESS_BOUND:
-            return f"{'an' if cls.__name__[0] in 'AEIOU' else 'a'} {cls.__name__}"
+            return _CALLED.get(cls.__name__) or f"{'an' if cls.__name__[0] in 'AEIOU' else 'a'} {cls.__name__}"
     return None
