@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import threading
 import types
 
 import torch
@@ -138,11 +139,21 @@ def test_lists_and_dicts_inside_a_notebook_container_come_back_into_the_notebook
     assert held["aux"] is kernel["m2"] and held["model"] is model
     assert list(held["new"]) == ["t"] and torch.equal(held["new"]["t"][0], torch.ones(3))
 
-    # an object made in the cell, a level down: the note says where, and nothing is changed
+    # an object made in the cell comes back, rank 0's, holding the notebook's objects where it did
     before = snapshot(rank, ["held"])
-    r["outs"]["val"].append(object())   # (a model made in the cell comes back: containers_hostile)
+    r["outs"]["val"].append(types.SimpleNamespace(model=rank["m2"], n=3))
     back, dropped = changes(rank, before, named=named)
-    assert back == {} and dropped == ["held (the cell changed its items, and 'outs'['val'][2] now holds an object "
+    assert dropped == [] and list(back) == ["held"]
+    plans = {}
+    planned(kernel, cloned(back), plans)
+    refill_all(plans)
+    assert val[2].model is kernel["m2"] and val[2].n == 3 and held["outs"]["val"] is val
+
+    # one that cannot be pickled, a level down: the note says where, and nothing is changed
+    before = snapshot(rank, ["held"])
+    r["outs"]["val"].append(threading.Lock())   # (a model made in the cell comes back: containers_hostile)
+    back, dropped = changes(rank, before, named=named)
+    assert back == {} and dropped == ["held (the cell changed its items, and 'outs'['val'][3] now holds an object "
                                       "made in the cell, which does not come back, so held is left as it was; "
                                       "change it in a plain cell)"]
 

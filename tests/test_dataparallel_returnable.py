@@ -9,6 +9,7 @@ ranks (a wrapper holding modules, a framework trainer) is named with the reason.
 from __future__ import annotations
 
 import ast
+import threading
 
 import numpy as np
 import pytest
@@ -123,13 +124,18 @@ runs = [(model, 1), (model, 2)]
     assert type(ns["best"]["log"]) is ns["LossLog"]
     assert [r[0] is model for r in ns["runs"]] == [True, True]
     # a later cell appends to the notebook's list with the notebook's Out (a name IPython's shell also uses)
-    history = ns["history"]
+    # and to a notebook list with instances of the notebook's Stat, holding its model
+    run_cell(shell, "records = []")
+    history, records = ns["history"], ns["records"]
     _, cap = dp_cell(shell, CPU2, """
 for x, y in loader:
     history.append(Out(float(torch.nn.functional.mse_loss(model(x), y)), len(history)))
+    records.append(Stat(model, len(records)))
 """)
     assert ns["history"] is history and len(history) == 16 and all(type(o) is Out for o in history)
     assert [o.step for o in history[8:]] == list(range(8, 16))
+    assert ns["records"] is records and [type(r) for r in records] == [Stat] * 8
+    assert [r.step for r in records] == list(range(8)) and all(r.loss is model for r in records)
 
 
 def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell):
@@ -291,7 +297,8 @@ def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_ane
 
 def test_containers_holding_objects_describe_their_new_items_by_the_old_ones():
     from gpumagic.dataparallel.containers import apply, changes, snapshot
-    model, made = torch.nn.Linear(1, 1), object()   # (a model made in the cell comes back: containers_hostile)
+    # (a model made in the cell comes back: containers_hostile; an object that pickles: containers_back)
+    model, made = torch.nn.Linear(1, 1), threading.Lock()
     ns = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
           "bag": {"model": model}, "same": {"model": model, "n": 1}}
     kernel = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
@@ -361,11 +368,12 @@ def test_lists_and_dicts_of_tensors_on_notebook_objects_are_described_by_their_i
     rank.held[0].add_(1)
     rank.held.append(torch.full((1,), 7.0))
     rank.by_key["a"] = torch.arange(3)
-    rank.made.append(object())   # an object made in the cell: not a copy in the notebook (a model comes back)
+    rank.made.append(threading.Lock())   # an object made in the cell that cannot be pickled (a model comes back)
     rank.rebound = [torch.zeros(1)]                   # bound anew: a new list in the notebook too
     out = changed_attributes(ns, before, ["box"])
     assert set(out.items["box"]) == {"outs", "held", "by_key", "rebound"}
-    assert out.dropped == ["box.made (holds objects that are not plain values, tensors or arrays)"]
+    assert out.dropped == ["box.made (holds objects made in the cell that cannot come back: they cannot be "
+                           "pickled, or hold what stays in the ranks)"]
     assert _apply_items({"box": kernel}, out.items) == ["box.outs", "box.held", "box.by_key", "box.rebound"]
     assert kernel.outs is kernel_outs and torch.equal(kernel_outs[0], torch.full((2, 3), 2.0))
     assert not kernel_outs[0].requires_grad

@@ -13,6 +13,7 @@ Runs in the workers (:func:`notebook_objects`, :func:`pickled`) and in the kerne
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 
 from ..procs.returning import RETURN_LIMIT, NotReturnable
@@ -21,7 +22,9 @@ from ..procs.returning import _Pickler as ReturningPickler
 from .returnable import follow_path
 from .touched import is_array
 
-__all__ = ["notebook_objects", "pickled", "loaded", "resolved"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["notebook_objects", "pickled", "pickled_item", "loaded", "resolved"]
 
 
 def _by_reference(value) -> bool:
@@ -46,6 +49,10 @@ def notebook_objects(ns: dict, assigned: list[str], attributes: dict) -> dict[in
     return found
 
 
+# values, not objects to share: they travel as themselves
+_VALUES = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset)
+
+
 class _Pickler(ReturningPickler):
     def __init__(self, file, refs: dict):
         super().__init__(file)
@@ -54,6 +61,8 @@ class _Pickler(ReturningPickler):
         self.used: set[str] = set()
 
     def persistent_id(self, obj):
+        if isinstance(obj, _VALUES):   # (an int a notebook name holds too is a value, not that name's object)
+            return None
         held = self.refs.get(id(obj))
         if held is None or held[1] is not obj:
             return None
@@ -74,6 +83,16 @@ def pickled(value, refs: dict[int, tuple[str, object]], limit: int = RETURN_LIMI
     except Exception as exc:  # noqa: BLE001 - anything that cannot be pickled: its reason goes in the note
         raise NotReturnable(f"{type(exc).__name__}: {exc}") from None
     return sink.getvalue(), sorted(pickler.used)
+
+
+def pickled_item(value, refs: dict[int, tuple[str, object]]) -> tuple[bytes, list[str]] | None:
+    """:func:`pickled`, or None where ``value`` cannot come back (an item of a notebook list the cell
+    appended to: ``runs.append(Run(cfg, acc))``, which is then named in the note)."""
+    try:
+        return pickled(value, refs)
+    except NotReturnable:
+        logger.debug("a %s cannot come back", type(value).__name__, exc_info=True)
+        return None
 
 
 class _Unpickler(pickle.Unpickler):

@@ -22,10 +22,13 @@ notebook's own objects, into the same container, which keeps its type and key or
 * an object the notebook holds under a name of its own (``reg["aux"] = m2``): that object
   (``("name", "m2")``), holding its trained state where it trained; a layer of one
   (``reg["head"] = model.fc``): that layer (``("layer", "model", "fc")``); a model the cell made
-  (``copy.deepcopy(model)``): rank 0's, whole (``("made", model)``, :mod:`.container_models`).
+  (``copy.deepcopy(model)``): rank 0's, whole (``("made", model)``, :mod:`.container_models`);
+* another object made in the cell (``runs.append(Run(cfg, acc))``): rank 0's, pickled, holding the
+  notebook's objects where it did (``("pickled", blob, their names)``, :mod:`.by_reference`).
 
-A container that came to hold anything else (a new object: it would be a copy), or new tensors
-beyond what one cell brings back, does not come back; the cell's note names it. Lists and dicts
+A container that came to hold anything else (an object that cannot be pickled, or holds a module
+made in the ranks), or new tensors beyond what one cell brings back, does not come back; the
+cell's note names it. Lists and dicts
 held as attributes of notebook objects (``self.outs.append(out.detach())``) are described the same
 way (:mod:`.returnable`), and so is a notebook list or dict of plain values the cell filled with
 tensors (``preds = []``, then ``preds.append(model(x))``: :func:`grown`). Cost: one pass over each
@@ -233,8 +236,8 @@ def grown(ns: dict, names: list[str], room: Room, named: dict | None = None) -> 
     for name in names:
         container = ns[name]
         entries, _, foreign = describe(container, {}, named)
-        why = (f"holds objects that are not plain values, tensors or arrays, so {name} is left as it was"
-               if foreign else None)
+        why = (f"holds objects made in the cell that cannot come back (they cannot be pickled, or hold what "
+               f"stays in the ranks), so {name} is left as it was" if foreign else None)
         _bring_back(name, container, entries, why, room, back, dropped)
     return back, dropped
 
@@ -318,6 +321,8 @@ def _described(container, records, named: dict, depth: int, items: list | None =
             entry, moved, bad = ("layer", *layer), True, []
         elif (model := made_model(item, named)) is not None:   # (best["model"] = copy.deepcopy(model))
             entry, moved, bad = ("made", model), True, []
+        elif (blob := _pickled(item, named)) is not None:   # (runs.append(Run(cfg, acc)): rank 0's)
+            entry, moved, bad = ("pickled", *blob), True, []
         else:
             entry, moved, bad = None, True, [()]
         changed = changed or moved
@@ -326,6 +331,12 @@ def _described(container, records, named: dict, depth: int, items: list | None =
         else:
             entries.append(entry if isinstance(container, (list, tuple)) else (key, entry))
     return entries, changed, foreign
+
+
+def _pickled(item, named: dict):
+    # (imported here: by_reference reads returnable, which reads this module)
+    from .by_reference import pickled_item
+    return pickled_item(item, named)
 
 
 def _kept(key, item, record: tuple, named: dict, depth: int) -> tuple:
@@ -402,6 +413,8 @@ def array_bytes(entries: list, kind) -> int:
             total += e[-1].nbytes
         elif e[0] == "made":
             total += model_bytes(e[1])
+        elif e[0] == "pickled":
+            total += len(e[1])
         elif e[0] in ("nested", "built"):
             total += array_bytes(e[-1], e[-2])
     return total
@@ -469,6 +482,9 @@ def _item(container, entry, plans: dict, ns: dict | None):
         return old if refill(old, entry[2]) else entry[2]
     if tag == "name":
         return (ns or {}).get(entry[1])
+    if tag == "pickled":   # (holding the notebook's objects where it did)
+        from .by_reference import loaded, resolved
+        return loaded(entry[1], resolved(entry[2], ns or {}))
     if tag == "made":   # (its tensors are views of a buffer the next cell reuses: a copy)
         return copy.deepcopy(entry[1])
     if tag == "layer":

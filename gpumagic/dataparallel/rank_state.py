@@ -30,9 +30,6 @@ from .touched import changed as changed_arrays
 
 logger = logging.getLogger(__name__)
 
-# values, not objects to share: they travel as themselves (an int a notebook name holds is no reference)
-_VALUES = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset)
-
 __all__ = ["rank0_state", "pack_state", "RemoteRepr", "unwrapped", "stands_alone"]
 
 
@@ -85,7 +82,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     named = {i: held for i, held in {**before, **{id(m): (n, m) for n, m in inner.items()}}.items()
              if held[0] not in bound}
     # what an object the cell binds holds of them (``holder = {"net": model}``) travels by name
-    by_name = {i: held for i, held in named.items() if not isinstance(held[1], _VALUES)}
+    by_name = dict(named)
     # and so do the classes the kernel defines again (``stats = [Stat(...)]`` holds the notebook's Stat)
     definable = definitions(meta["tree"]) if "tree" in meta else {}
     by_name.update({id(ns[n]): (n, ns[n]) for n in state["defined"] if isinstance(ns.get(n), type) and n in definable})

@@ -211,7 +211,8 @@ def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, w
     if foreign and records:
         out.dropped.append(f"{name}.{k} ({made_in_cell(foreign)}; change it in a plain cell)")
     elif foreign:
-        out.dropped.append(f"{name}.{k} (holds objects that are not plain values, tensors or arrays)")
+        out.dropped.append(f"{name}.{k} (holds objects made in the cell that cannot come back: they cannot be "
+                           "pickled, or hold what stays in the ranks)")
     elif not room.take(array_bytes(entries, kind_of(now))):
         out.dropped.append(f"{name}.{k} ({room.too_large})")
     else:
