@@ -190,15 +190,35 @@ def test_the_notebooks_torch_compile_settings_apply_on_every_rank(shell):
     assert shell.user_ns["flags"] == [False, False]
 
 
-@pytest.mark.parametrize("made, used, says", [
-    ("@torch.compile\ndef lossf(a, b):\n    return ((a - b) ** 2).mean()\n", "lossf(model(x), y)",
-     "lossf is a torch.compile'd function: compile the plain function inside the cell (lossf = torch.compile(fn))"),
-    ("smodel = torch.jit.script(Net())\n", "((smodel(x) - y) ** 2).mean()",
-     "smodel is a RecursiveScriptModule: train the nn.Module it was made from"),
-])
-def test_what_torch_compile_or_torchscript_made_in_the_notebook_is_refused_with_what_to_do(shell, made, used, says):
+def test_functions_the_notebook_compiled_are_compiled_again_on_the_ranks(shell):
+    # The "compiled optimizer" tutorial as written (``@torch.compile(fullgraph=False) def fn(): opt.step()``)
+    # and a compiled loss: refused before ("cannot pickle 'DynamoTLS' object"); now each rank compiles the
+    # plain function with the notebook's options, and training equals the eager one.
+    run_cell(shell, SETUP.format(shuffle=False) + """
+@torch.compile
+def lossf(a, b):
+    return ((a - b) ** 2).mean()
+
+@torch.compile(fullgraph=False)
+def fn():
+    opt.step()
+""")
+    ns = shell.user_ns
+    lossf, fn = ns["lossf"], ns["fn"]
+    ref_model, _, _ = _reference(ns)
+    dp_cell(shell, CPU2, TRAIN.replace("((model(x) - y) ** 2).mean()", "lossf(model(x), y)").replace(
+        "opt.step()", "fn()") + "import torch._dynamo.utils\n"
+                                "graphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n")
+    _assert_weights(ns, ref_model)
+    assert ns["graphs"] >= 2, ns["graphs"]   # rank 0 compiled both (eagerly, nothing would be counted)
+    assert ns["lossf"] is lossf and ns["fn"] is fn   # the notebook's compiled functions, still usable there
+    assert float(lossf(torch.ones(2), torch.zeros(2))) == 1.0
+
+
+def test_a_scripted_module_made_in_the_notebook_is_refused_with_what_to_do(shell):
     # The advice was "Create such objects inside the cell": a module made there trains no notebook weights.
-    run_cell(shell, SETUP.format(shuffle=False) + made)
+    run_cell(shell, SETUP.format(shuffle=False) + "smodel = torch.jit.script(Net())\n")
     with pytest.raises(UsageError) as err:
-        dp_cell(shell, CPU2, TRAIN.replace("((model(x) - y) ** 2).mean()", used))
+        dp_cell(shell, CPU2, TRAIN.replace("((model(x) - y) ** 2).mean()", "((smodel(x) - y) ** 2).mean()"))
+    says = "smodel is a RecursiveScriptModule: train the nn.Module it was made from"
     assert says in str(err.value) and "Create such objects" not in str(err.value), str(err.value)

@@ -159,6 +159,12 @@ class _Pickler(cloudpickle.Pickler):
         elif isinstance(obj, torch.device) and (obj.type == "cuda" or stands_for_cell_device(obj)):
             return _rank_device, ()
         elif isinstance(obj, types.FunctionType):
+            context = _compile_context(obj)
+            if context is not None:
+                # torch.compile(fn) (``@torch.compile def step(): opt.step()``): its wrapper holds
+                # dynamo's thread state, which cannot travel; the plain function is compiled again in
+                # the worker by the same context (backend, mode, fullgraph), as a compiled module is
+                return context, (obj._torchdynamo_orig_callable,)
             self._packer.filenames.add(obj.__code__.co_filename)
         elif isinstance(obj, types.CodeType) and obj.co_filename != _DYNAMIC:
             # cloudpickle 3 names all code it ships "<dynamic-code>": keep the cell's name, which
@@ -170,6 +176,24 @@ class _Pickler(cloudpickle.Pickler):
             # a function using ``self.classes`` next to ``torch`` makes it pickle torch.classes.
             return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
+
+
+def _compile_context(fn: types.FunctionType):
+    """The ``torch.compile`` context that wrapped ``fn``, where ``fn`` is such a wrapper; else None."""
+    if getattr(fn, "_torchdynamo_orig_callable", None) is None or not fn.__closure__:
+        return None
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimize = getattr(eval_frame, "OptimizeContext", None)
+    if optimize is None:
+        return None
+    for cell in fn.__closure__:
+        try:
+            value = cell.cell_contents
+        except ValueError:   # (an empty cell)
+            continue
+        if type(value) is optimize:
+            return value
+    return None
 
 
 class _Packer:
