@@ -88,14 +88,15 @@ def test_items_set_in_a_notebook_function_come_back_as_when_set_in_the_cell(shel
             after_step(loss)
         held["direct"] = [1, 2]
         del held["old"]
-        bag["made"] = object()   # (a model made in the cell comes back whole: containers_hostile)
+        bag["made"] = __import__("threading").Lock()   # (cannot be pickled; a model made in the cell comes
+                                                        # back whole: containers_hostile; a picklable object too)
         """)
     assert ns["held"] is held and ns["runs"] is runs                # the same objects, changed in place
     assert held["model"] is model and runs[0] is model             # holding the notebook's own model
     assert held["n"] == 5 and held["direct"] == [1, 2] and "old" not in held
     assert held["buf"] is buf and torch.equal(buf, torch.full((2,), 4.0))
     assert len(runs) == 6 and runs[1] == 1 and all(isinstance(v, float) for v in runs[2:])
-    # an object made in the cell cannot come back: the note says so, and the dict is as it was
+    # an object made in the cell that cannot be pickled cannot come back: the note says so, and the dict is as it was
     assert list(ns["bag"]) == ["model"]
     # one note for it (the item written in the cell was named a second time, as an item set "of bag")
     notes = [n for n in last_result().not_returned if "bag" in n]
