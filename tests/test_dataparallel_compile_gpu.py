@@ -12,12 +12,13 @@ import signal
 
 import psutil
 import pytest
+import torch
 
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
-from tests.test_magics_dataparallel_gpu import SETUP, TRAIN, check_compiled_cells_stay_warm
+from tests.test_magics_dataparallel_gpu import SETUP, TRAIN, _reference, check_compiled_cells_stay_warm
 
 pytestmark = pytest.mark.gpu
 
@@ -47,3 +48,26 @@ def test_inductors_compile_workers_end_with_a_killed_rank(shell):
     os.kill(ranks[0], signal.SIGKILL)    # as the OOM killer would: no clean-up in the rank
     assert wait_dead(ranks + family, timeout=60) == []
     poolmod.stop_pool(POOL_NAME)
+
+
+def test_functions_the_notebook_compiled_are_compiled_by_inductor_on_the_gpu_rank(shell):
+    # The compiled-optimizer tutorial's ``@torch.compile(fullgraph=False) def fn(): opt.step()`` and a
+    # compiled loss, from the notebook: the rank compiles their plain functions with inductor on cuda:0.
+    run_cell(shell, SETUP.format(where="cpu") + """
+@torch.compile
+def lossf(a, b):
+    return ((a - b) ** 2).mean()
+
+@torch.compile(fullgraph=False)
+def fn():
+    opt.step()
+""")
+    ns = shell.user_ns
+    reference = _reference(ns)
+    dp_cell(shell, "--devices cuda:0", TRAIN.replace("((model(x) - y) ** 2).mean()", "lossf(model(x), y)").replace(
+        "opt.step()", "fn()") + "import torch._dynamo.utils\n"
+                                "graphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n"
+                                "where = str(next(model.parameters()).device)\n")
+    assert ns["where"] == "cuda:0" and ns["graphs"] >= 2, (ns["where"], ns["graphs"])
+    for name, p in ns["model"].state_dict().items():
+        torch.testing.assert_close(p, reference.state_dict()[name].cpu(), atol=1e-4, rtol=1e-4)

@@ -453,6 +453,13 @@ def test_a_name_the_cell_left_on_the_notebooks_own_object_stays_bound(shell):
     _, cap = dp_cell(shell, CPU2, """
         evaluator = evaluator or Evaluator(model)
         out = evaluator.model(X)
+        evaluator.seen = len(out)
         """)
-    assert "evaluator (holds a torch.nn.Module" in cap.stderr
-    assert ns["evaluator"] is evaluator
+    model = ns["model"]
+    assert ns["evaluator"] is evaluator and evaluator.model is model
+    assert evaluator.seen == 64   # what the cell set on it comes back, as on the notebook's other objects
+    assert "evaluator" not in cap.stderr.split("values:")[0], cap.stderr
+    # bound to a new object, it comes back as one, holding the notebook's model
+    dp_cell(shell, CPU2, "evaluator = Evaluator(model)\nevaluator.seen = 1\n")
+    assert ns["evaluator"] is not evaluator and ns["evaluator"].model is model and ns["evaluator"].seen == 1
+    assert type(ns["evaluator"]) is ns["Evaluator"] and evaluator.seen == 64

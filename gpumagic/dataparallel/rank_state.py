@@ -86,6 +86,13 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     # and so do the classes the kernel defines again (``stats = [Stat(...)]`` holds the notebook's Stat)
     definable = definitions(meta["tree"]) if "tree" in meta else {}
     by_name.update({id(ns[n]): (n, ns[n]) for n in state["defined"] if isinstance(ns.get(n), type) and n in definable})
+    # a name the cell left on the notebook's object whose changes come back as attributes (``ev = ev or
+    # Evaluator(model)``): the notebook's object stays bound, as after a plain cell, not a copy; one it bound
+    # to another object is no longer watched (what its name holds now comes back as a value)
+    kept = set(state["still_bound"]) & set(meta.get("watched_if_kept", ())) & set(meta.get("watched", ()))
+    rebound = set(meta.get("watched_if_kept", ())) - set(state["still_bound"])
+    watched = [p for p in meta.get("watched", []) if p.split(".")[0] not in rebound]
+    attributes_before = {p: v for p, v in meta.get("attributes_before", {}).items() if p.split(".")[0] not in rebound}
     grew: list[str] = []
     for n in meta["return_names"]:
         if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced \
@@ -97,7 +104,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             # (a tensor the cell set items of: filled in place)
             state["values"][n] = detached_typed(v)   # (a defaultdict stays one)
         elif n in meta["assigned"] and n not in trained and n not in meta["loop_targets"] \
-                and not isinstance(v, (types.ModuleType, type, types.FunctionType)):
+                and not isinstance(v, (types.ModuleType, type, types.FunctionType)) and n not in kept:
             model = unwrapped(v) if isinstance(v, torch.nn.Module) else None
             if model is not None and stands_alone(model, inner):
                 state["made"][n] = model   # a model the cell built: it comes back whole
@@ -111,7 +118,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
         state["values"][n] = detached(ns[n])
     # tensors in lists and dicts, and datasets, share what one cell brings back with the objects above
     room = Room(RETURN_LIMIT - sum(len(b) for b, _ in state["objects"].values()))
-    attributes = changed_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []), room, named)
+    attributes = changed_attributes(ns, attributes_before, watched, room, named)
     state["attributes"], state["attributes_filled"] = attributes.changed, attributes.filled
     state["attribute_items"], state["attributes_kept"] = attributes.items, attributes.kept
     # the notebook's dicts and lists holding objects, whose items the cell or its functions changed
@@ -123,7 +130,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     state["not_returned"] += not_back
     state["attribute_objects"] = _datasets(state, attributes.datasets, meta.get("notebook_objects", {}), room)
     # ``del cfg.name``: deleted on the notebook's object too, as a plain cell would
-    state["attributes_deleted"] = deleted_attributes(ns, meta.get("attributes_before", {}), meta.get("watched", []))
+    state["attributes_deleted"] = deleted_attributes(ns, attributes_before, watched)
     state["not_returned"] += attributes.dropped
     return state
 

@@ -193,7 +193,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         "return_names": survey.return_names, "filled": survey.filled, "arrays": survey.arrays,
         "containers": survey.containers,
         "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
-        "watched": survey.watched, "set_attributes": survey.set_attributes,
+        "watched": survey.watched, "watched_if_kept": survey.watched_if_kept,
+        "set_attributes": survey.set_attributes,
         "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
         "seed": plan.seed if plan.seed is not None else draw_seed(),
         "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,

@@ -46,6 +46,8 @@ class CellSurvey:
                           # their changed plain attributes come back
     set_attributes: dict  # name or path -> attributes the cell sets on that notebook object
     device_strings: list  # names holding 'cuda' or 'cuda:k': the rank's own device in the cell
+    watched_if_kept: list = field(default_factory=list)   # names in ``watched`` the cell binds: theirs come back
+                                                          # only where the cell left them on the same object
     filled: list = field(default_factory=list)         # notebook tensors and arrays whose items the cell sets
     arrays: list = field(default_factory=list)         # the others it reaches: compared on rank 0 (touched.py)
     containers: list = field(default_factory=list)     # dicts and lists holding objects: compared on rank 0
@@ -120,7 +122,11 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
              if root in others and root not in plain_read}
     # ``preds[idx] = out.argmax(1)`` on a notebook tensor or array: it comes back, filled in place
     filled = [root for root in items if is_array(ns[root])]
-    watched = watched_paths(ns, others + stateful)
+    # names the cell binds that may stay on the notebook's object (``ev = ev or Evaluator(model)``): watched
+    # too, their changes coming back where the name does stay there (rank_state)
+    rebindable = [n for n in names if n in assigned and n not in trained and n not in stateful
+                  and not isinstance(ns[n], (types.ModuleType, type, types.FunctionType, torch.nn.Module))]
+    watched = watched_paths(ns, others + stateful + rebindable)
     # (long ones too, their items compared by identity; plain ones holding lists and dicts, item by item, so
     # those stay the notebook's: ``train_loss = logs["train"]["loss"]`` keeps seeing the cell's appends)
     containers = [n for n in others if n not in plain_read and is_container(ns[n], LONG_ITEMS)
@@ -130,7 +136,7 @@ def survey_cell(tree, shell, plan: Plan, launch: bool = False, used: list[str] |
         assigned=assigned,
         # the notebook's other objects: instances of its own classes (a LightningDataModule whose setup()
         # sets num_classes too, though its state_dict comes back), and what the cell sets on them
-        watched=watched,
+        watched=watched, watched_if_kept=rebindable,
         set_attributes={p: attrs for p, attrs in attributes_assigned(tree).items() if p.split(".")[0] in others},
         # (a plain one rank 0 compares item by item comes back through ``containers``: listed here for fsdp,
         # which makes its sharded tensors whole first, ``clip_grad_norm_``'s norms appended to it)
