@@ -190,11 +190,8 @@ def test_the_notebooks_torch_compile_settings_apply_on_every_rank(shell):
     assert shell.user_ns["flags"] == [False, False]
 
 
-def test_functions_the_notebook_compiled_are_compiled_again_on_the_ranks(shell):
-    # The "compiled optimizer" tutorial as written (``@torch.compile(fullgraph=False) def fn(): opt.step()``)
-    # and a compiled loss: refused before ("cannot pickle 'DynamoTLS' object"); now each rank compiles the
-    # plain function with the notebook's options, and training equals the eager one.
-    run_cell(shell, SETUP.format(shuffle=False) + """
+# The "compiled optimizer" tutorial as written, and a compiled loss, in the notebook; the training loop through them
+COMPILED_FUNCTIONS = """
 @torch.compile
 def lossf(a, b):
     return ((a - b) ** 2).mean()
@@ -202,13 +199,23 @@ def lossf(a, b):
 @torch.compile(fullgraph=False)
 def fn():
     opt.step()
-""")
+"""
+
+
+def through_compiled_functions(train: str) -> str:
+    """``train`` calling COMPILED_FUNCTIONS' functions, binding ``graphs``: how many graphs the rank compiled."""
+    return train.replace("((model(x) - y) ** 2).mean()", "lossf(model(x), y)").replace("opt.step()", "fn()") + (
+        "import torch._dynamo.utils\ngraphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n")
+
+
+def test_functions_the_notebook_compiled_are_compiled_again_on_the_ranks(shell):
+    # Refused before ("cannot pickle 'DynamoTLS' object"); now each rank compiles the plain function with
+    # the notebook's options, and training equals the eager one.
+    run_cell(shell, SETUP.format(shuffle=False) + COMPILED_FUNCTIONS)
     ns = shell.user_ns
     lossf, fn = ns["lossf"], ns["fn"]
     ref_model, _, _ = _reference(ns)
-    dp_cell(shell, CPU2, TRAIN.replace("((model(x) - y) ** 2).mean()", "lossf(model(x), y)").replace(
-        "opt.step()", "fn()") + "import torch._dynamo.utils\n"
-                                "graphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n")
+    dp_cell(shell, CPU2, through_compiled_functions(TRAIN))
     _assert_weights(ns, ref_model)
     assert ns["graphs"] >= 2, ns["graphs"]   # rank 0 compiled both (eagerly, nothing would be counted)
     assert ns["lossf"] is lossf and ns["fn"] is fn   # the notebook's compiled functions, still usable there

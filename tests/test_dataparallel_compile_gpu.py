@@ -18,6 +18,7 @@ from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
+from tests.test_dataparallel_compile import COMPILED_FUNCTIONS, through_compiled_functions
 from tests.test_magics_dataparallel_gpu import SETUP, TRAIN, _reference, check_compiled_cells_stay_warm
 
 pytestmark = pytest.mark.gpu
@@ -53,21 +54,11 @@ def test_inductors_compile_workers_end_with_a_killed_rank(shell):
 def test_functions_the_notebook_compiled_are_compiled_by_inductor_on_the_gpu_rank(shell):
     # The compiled-optimizer tutorial's ``@torch.compile(fullgraph=False) def fn(): opt.step()`` and a
     # compiled loss, from the notebook: the rank compiles their plain functions with inductor on cuda:0.
-    run_cell(shell, SETUP.format(where="cpu") + """
-@torch.compile
-def lossf(a, b):
-    return ((a - b) ** 2).mean()
-
-@torch.compile(fullgraph=False)
-def fn():
-    opt.step()
-""")
+    run_cell(shell, SETUP.format(where="cpu") + COMPILED_FUNCTIONS)
     ns = shell.user_ns
     reference = _reference(ns)
-    dp_cell(shell, "--devices cuda:0", TRAIN.replace("((model(x) - y) ** 2).mean()", "lossf(model(x), y)").replace(
-        "opt.step()", "fn()") + "import torch._dynamo.utils\n"
-                                "graphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n"
-                                "where = str(next(model.parameters()).device)\n")
+    dp_cell(shell, "--devices cuda:0",
+            through_compiled_functions(TRAIN) + "where = str(next(model.parameters()).device)\n")
     assert ns["where"] == "cuda:0" and ns["graphs"] >= 2, (ns["where"], ns["graphs"])
     for name, p in ns["model"].state_dict().items():
         torch.testing.assert_close(p, reference.state_dict()[name].cpu(), atol=1e-4, rtol=1e-4)
