@@ -138,6 +138,29 @@ for x, y in loader:
     assert [r.step for r in records] == list(range(8)) and all(r.loss is model for r in records)
 
 
+def test_a_model_the_cell_made_is_one_object_wherever_the_cell_put_it(shell):
+    # ``results = {"model": best_model}`` stayed in the ranks ("holds a torch.nn.Module"), and a notebook
+    # dict given it held a second copy
+    run_cell(shell, SETUP + "import copy, threading\nboard = {'best': None}\n")
+    ns = shell.user_ns
+    board = ns["board"]
+    _, cap = dp_cell(shell, CPU2, LOOP + """
+best_model = copy.deepcopy(model)
+results = {"model": best_model, "loss": float(loss)}
+board["best"] = best_model
+odd = copy.deepcopy(model)
+odd.lock = threading.Lock()                # a model that cannot travel, and what holds it
+odd_holder = [odd]
+""")
+    assert "best_model" in ns, cap.stderr
+    best = ns["best_model"]
+    assert ns["results"]["model"] is best and ns["board"] is board and board["best"] is best
+    assert best is not ns["model"] and torch.equal(best.weight, ns["model"].weight)   # (rank 0's, trained)
+    note = cap.stderr.split("not brought back")[1].splitlines()[0]
+    assert "odd (TypeError" in note and "odd_holder (" in note, note
+    assert "odd" not in ns and "odd_holder" not in ns
+
+
 def test_attributes_the_cell_sets_and_a_notebook_classs_changes_come_back(shell):
     run_cell(shell, SETUP)
     ns = shell.user_ns

@@ -94,6 +94,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     watched = [p for p in meta.get("watched", []) if p.split(".")[0] not in rebound]
     attributes_before = {p: v for p, v in meta.get("attributes_before", {}).items() if p.split(".")[0] not in rebound}
     grew: list[str] = []
+    objects: list[tuple[str, object]] = []   # pickled below, once the models the cell made are known
     for n in meta["return_names"]:
         if n not in ns or n in state["aliases"] or n in state["scripted"] or n in traced \
                 or n in meta.get("containers", ()):   # (compared item by item: containers.changes)
@@ -111,9 +112,16 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
             elif model is not None:
                 state["not_returned"].append(f"{n} (wraps the notebook's modules, which got its weights)")
             else:
-                _add_object(state, n, v, by_name)
+                objects.append((n, v))
         elif n not in meta["assigned"] and isinstance(v, (list, dict)):   # (a defaultdict too: refilled, kept)
             grew.append(n)   # a notebook list of plain values the cell appended tensors to (containers.grown)
+    # a model the cell made travels once, under its name: what holds it (``results = {"model": best_model}``,
+    # ``log["best"] = best_model``) holds that one in the notebook, not a copy of its own
+    made = {i: (n, m) for n, model in state["made"].items() for i, m in ((id(model), model), (id(ns[n]), ns[n]))}
+    by_name.update(made)
+    named = {**named, **made}
+    for n, v in objects:
+        _add_object(state, n, v, by_name)
     for n in changed_arrays(ns, meta.get("arrays_before", {})):   # (set by a function the cell called)
         state["values"][n] = detached(ns[n])
     # tensors in lists and dicts, and datasets, share what one cell brings back with the objects above
@@ -224,13 +232,20 @@ def pack_state(state: dict, scratch):
     """Pack rank 0's state; a model made in the cell that cannot travel is named instead."""
     try:
         return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
-    except Exception as exc:
+    except Exception:
         if not state["made"]:
             raise
         logger.debug("models made in the cell could not be packed", exc_info=True)
-        state["not_returned"] += [f"{n} ({type(exc).__name__}: {exc})" for n in state["made"]]
-        state["made"] = {}
-        return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
+    # those that cannot travel are named (what holds one by its name finds none: the kernel unbinds it)
+    state["made_failed"] = []
+    for n, model in list(state["made"].items()):
+        try:
+            pack({"model": model}, targets=_all_cpu(model), fingerprint=False, scratch=scratch)
+        except Exception as exc:  # noqa: BLE001 - named in the cell's note, with the reason
+            state["not_returned"].append(f"{n} ({type(exc).__name__}: {exc})")
+            state["made_failed"].append(n)
+            del state["made"][n]
+    return pack(state, targets=_all_cpu(state), fingerprint=False, scratch=scratch)
 
 
 def _stateful_states(ns: dict, names: list) -> dict:

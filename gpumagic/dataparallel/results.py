@@ -148,6 +148,16 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     # and the notebook's datasets and tensors that datasets the cell set on its objects hold (by_reference.py)
     datasets = state.get("attribute_objects")
     referenced = resolved(datasets[1], ns) if datasets else {}
+    # The models the cell built, bound now: what its other objects and the notebook's containers hold of
+    # them is found by their names (rank_state); one that could not travel leaves its name unbound.
+    # Each is a copy, since its tensors are views of a buffer the next cell reuses.
+    import copy
+    for name in state.get("made_failed") or []:
+        ns.pop(name, None)
+    made = []
+    for name, module in (state.get("made") or {}).items():
+        ns[name] = copy.deepcopy(module)
+        made.append(name)
     # and those the objects the cell bound hold (``holder = {"net": model}``: the notebook's model, trained)
     # (the cell's own classes, which are defined anew below, are found after that)
     cell_defined = set(state.get("defined") or ())
@@ -217,7 +227,6 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             # the cell changed in place, the notebook's own, refilled (other names may hold it); one the
             # cell bound anew, set (other names keep the old one, as after a plain cell)
             if isinstance(value, torch.nn.Module):   # a model the cell made: its tensors are views of a reused buffer
-                import copy
                 value = copy.deepcopy(value)
             if attr not in kept.get(name, ()) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)
@@ -245,12 +254,6 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                               f"{exc})")
             continue
         bound.append(name)
-    made = []
-    for name, module in (state.get("made") or {}).items():
-        # A model the cell built: a copy, since its tensors are views of a buffer the next cell reuses.
-        import copy
-        ns[name] = copy.deepcopy(module)
-        made.append(name)
     return {"values": bound + objects, "made": made, "objects": objects, "not_loaded": not_loaded,
             "defined": defined, "not_defined": not_defined}
 
