@@ -139,8 +139,9 @@ for x, y in loader:
 
 
 def test_a_model_the_cell_made_is_one_object_wherever_the_cell_put_it(shell):
-    # ``results = {"model": best_model}`` stayed in the ranks ("holds a torch.nn.Module"), and a notebook
-    # dict given it held a second copy
+    # ``results = {"model": best_model}`` stayed in the ranks ("holds a torch.nn.Module"), a notebook dict
+    # given it held a second copy, and a notebook object's attribute set to it (or to the notebook's model)
+    # did not come back
     run_cell(shell, SETUP + "import copy, threading\nboard = {'best': None}\n")
     ns = shell.user_ns
     board = ns["board"]
@@ -148,6 +149,7 @@ def test_a_model_the_cell_made_is_one_object_wherever_the_cell_put_it(shell):
 best_model = copy.deepcopy(model)
 results = {"model": best_model, "loss": float(loss)}
 board["best"] = best_model
+log.best_model, log.net, log.opt = best_model, model, opt   # (on a notebook object: "not a plain value")
 odd = copy.deepcopy(model)
 odd.lock = threading.Lock()                # a model that cannot travel, and what holds it
 odd_holder = [odd]
@@ -156,6 +158,8 @@ odd_holder = [odd]
     best = ns["best_model"]
     assert ns["results"]["model"] is best and ns["board"] is board and board["best"] is best
     assert best is not ns["model"] and torch.equal(best.weight, ns["model"].weight)   # (rank 0's, trained)
+    log = ns["log"]
+    assert log.best_model is best and log.net is ns["model"] and log.opt is ns["opt"]
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
     assert "odd (TypeError" in note and "odd_holder (" in note, note
     assert "odd" not in ns and "odd_holder" not in ns

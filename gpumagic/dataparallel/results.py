@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..cell.module_settings import apply_settings
 from ..cell.values import is_stateful
 from .by_reference import loaded, resolved
-from .returnable import follow_path
+from .returnable import HeldByName, follow_path
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,9 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             # a tensor or array bound anew is rank 0's (as a plain cell binds a new one); a list or dict
             # the cell changed in place, the notebook's own, refilled (other names may hold it); one the
             # cell bound anew, set (other names keep the old one, as after a plain cell)
-            if isinstance(value, torch.nn.Module):   # a model the cell made: its tensors are views of a reused buffer
+            if isinstance(value, HeldByName):   # the notebook's object, or a model the cell made (bound above)
+                value = ns.get(value.name)
+            elif isinstance(value, torch.nn.Module):   # a model the cell made: its tensors are views of a reused buffer
                 value = copy.deepcopy(value)
             if attr not in kept.get(name, ()) or not _refill(getattr(target, attr, None), value):
                 setattr(target, attr, value)

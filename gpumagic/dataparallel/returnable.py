@@ -49,8 +49,8 @@ from .containers import (
 from .long_items import LONG_ITEMS, TooLong
 from .touched import fingerprint, is_array
 
-__all__ = ["attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched", "watched_paths",
-           "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared", "attribute_items"]
+__all__ = ["HeldByName", "attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched",
+           "watched_paths", "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared", "attribute_items"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a history of every step) is not copied to compare: too slow;
@@ -135,6 +135,13 @@ def attribute_snapshot(ns: dict, watched: list[str], assigned: dict[str, list[st
     return snapshot
 
 
+@dataclass(frozen=True)
+class HeldByName:
+    """An attribute the cell set to one of the notebook's objects or to a model it made (``tracker.model =
+    model``): in the notebook, the object of that name (:func:`changed_attributes`)."""
+    name: str
+
+
 @dataclass
 class AttributeChanges:
     """What the cell changed on the notebook's objects, ``{path: {attribute: ...}}`` each, and what cannot
@@ -188,6 +195,8 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                 out.changed.setdefault(name, {})[k] = _copied(now)
                 if isinstance(now, (list, dict)) and now is present.get(k, _MISSING):
                     out.kept.setdefault(name, []).append(k)
+            elif (held := (named or {}).get(id(now))) is not None and held[1] is now:
+                out.changed.setdefault(name, {})[k] = HeldByName(held[0])   # (tracker.model = model)
             elif _is_dataset(now):   # (a DataModule's setup(): self.train_set, self.val_set = random_split(...))
                 out.datasets.setdefault(name, {})[k] = now
             elif (model := made_model(now, named or {})) is not None:   # (self.best_model = copy.deepcopy(model))
