@@ -190,12 +190,15 @@ alias = args                         # the notebook's own object, not a copy
 same_log = log
 set_epochs(args, 7)
 setattr(args, "lr", 0.5)
-args.note = object()                 # added, not a plain value: named (a model made in the cell comes back)
+args.note = argparse.Namespace(log=log)   # added, an object made in the cell: rank 0's, holding the notebook's log
+args.lock = __import__("threading").Lock()   # one that cannot be pickled: named
 weight = torch.nn.Parameter(torch.ones(2))
 """)
     assert ns["alias"] is args and ns["same_log"] is log
     assert (args.epochs, args.lr) == (7, 0.5)
-    assert not hasattr(args, "note") and "args.note (not a plain value)" in cap.stderr
+    assert args.note.log is log and "args.note" in cap.stderr.split("values:")[1]
+    assert not hasattr(args, "lock") and "args.lock (cannot be pickled, or holds what stays in the ranks)" in \
+        cap.stderr
     assert type(ns["weight"]) is torch.nn.Parameter and ns["weight"].tolist() == [1.0, 1.0]
 
 
@@ -297,10 +300,11 @@ def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
     box.new = "yes"
     box.samples.append(1)          # (what changed comes back: test_dataparallel_long_attributes)
     other.x = 1                    # set, unchanged
-    other.y = object()             # (a model made in the cell comes back: containers_hostile)
-    out = changed_attributes(ns, before, ["box"])
+    other.y = threading.Lock()     # (a model made in the cell comes back: containers_hostile; a picklable
+    out = changed_attributes(ns, before, ["box"])   # object too: test_names_bound_to_notebook_objects...)
     assert out.changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and out.filled == {}
-    assert out.dropped == ["other.y (not a plain value)"] and list(out.items["box"]) == ["samples"]
+    assert out.dropped == ["other.y (cannot be pickled, or holds what stays in the ranks)"]
+    assert list(out.items["box"]) == ["samples"]
 
 
 def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_anew():

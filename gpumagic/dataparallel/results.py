@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..cell.module_settings import apply_settings
 from ..cell.values import is_stateful
 from .by_reference import loaded, resolved
-from .returnable import HeldByName, follow_path
+from .returnable import HeldByName, PickledObject, follow_path
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,13 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
             # cell bound anew, set (other names keep the old one, as after a plain cell)
             if isinstance(value, HeldByName):   # the notebook's object, or a model the cell made (bound above)
                 value = ns.get(value.name)
+            elif isinstance(value, PickledObject):   # an object the cell made, holding the notebook's by name
+                try:
+                    value = loaded(value.blob, resolved(list(value.paths), ns))
+                except Exception as exc:   # named in the cell's note, with the reason
+                    logger.debug("%s.%s could not be unpickled in the kernel", name, attr, exc_info=True)
+                    not_loaded.append(f"{name}.{attr} ({type(exc).__name__}: {exc})")
+                    continue
             elif isinstance(value, torch.nn.Module):   # a model the cell made: its tensors are views of a reused buffer
                 value = copy.deepcopy(value)
             if attr not in kept.get(name, ()) or not _refill(getattr(target, attr, None), value):

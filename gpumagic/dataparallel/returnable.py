@@ -49,8 +49,9 @@ from .containers import (
 from .long_items import LONG_ITEMS, TooLong
 from .touched import fingerprint, is_array
 
-__all__ = ["HeldByName", "attribute_snapshot", "changed_attributes", "deleted_attributes", "is_watched",
-           "watched_paths", "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared", "attribute_items"]
+__all__ = ["HeldByName", "PickledObject", "attribute_snapshot", "changed_attributes", "deleted_attributes",
+           "is_watched", "watched_paths", "follow_path", "WATCHED_ITEMS", "AttributeChanges", "is_compared",
+           "attribute_items"]
 
 _MISSING = object()
 # A watched attribute holding a longer list or dict (a history of every step) is not copied to compare: too slow;
@@ -142,6 +143,14 @@ class HeldByName:
     name: str
 
 
+@dataclass(frozen=True)
+class PickledObject:
+    """An attribute the cell set to an object it made (``args.split = Split(...)``): rank 0's, pickled,
+    holding the notebook's objects where it did, by their names (:mod:`.by_reference`)."""
+    blob: bytes
+    paths: tuple
+
+
 @dataclass
 class AttributeChanges:
     """What the cell changed on the notebook's objects, ``{path: {attribute: ...}}`` each, and what cannot
@@ -204,10 +213,22 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                     out.changed.setdefault(name, {})[k] = model
                 else:
                     out.dropped.append(f"{name}.{k} ({room.too_large})")
+            elif not is_array(now) and (blob := _pickled(now, named or {})) is not None:   # (args.split = Split())
+                if room.take(len(blob[0])):
+                    out.changed.setdefault(name, {})[k] = PickledObject(blob[0], tuple(blob[1]))
+                else:
+                    out.dropped.append(f"{name}.{k} ({room.too_large})")
             else:
-                out.dropped.append(f"{name}.{k} (not a plain value)" if not is_array(now) else
+                out.dropped.append(f"{name}.{k} (cannot be pickled, or holds what stays in the ranks)"
+                                   if not is_array(now) else
                                    f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
     return out
+
+
+def _pickled(value, named: dict):
+    # (imported here: by_reference reads this module)
+    from .by_reference import pickled_item
+    return pickled_item(value, named)
 
 
 def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, was, held, named) -> None:
