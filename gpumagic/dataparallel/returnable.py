@@ -3,16 +3,19 @@
 Two kinds, both collected on rank 0 (:mod:`.rank_state`) and applied by :mod:`.results`:
 
 * **objects the cell assigned** (``preds = trainer.predict(test)``, a numpy array, a dataclass, a
-  tensor): they come back pickled, every tensor detached and on the CPU, unless they hold what
-  belongs to the ranks (a module, an optimizer, a DataLoader, a framework's trainer) or are larger
-  than :data:`~gpumagic.procs.returning.RETURN_LIMIT` (pickled by
-  :func:`~gpumagic.procs.returning.pickled_for_notebook`); then the note names them with the reason;
+  tensor): they come back pickled, every tensor detached and on the CPU, the notebook's own objects
+  and the models the cell made in them by name (``holder = {"net": model}``: :mod:`.by_reference`),
+  unless they hold what else belongs to the ranks (a module, an optimizer, a DataLoader, a
+  framework's trainer made there) or are larger than :data:`~gpumagic.procs.returning.RETURN_LIMIT`;
+  then the note names them with the reason;
 * **attributes set on the notebook's objects** (``args.num_train_epochs = 1`` in the cell, and
   deeper, ``cfg.optim.lr = 0.1``; on instances of classes defined in the notebook and on namespaces
   (``argparse.Namespace``, ``SimpleNamespace``), and on such objects they hold, any public attribute
   that changed, as a callback appending to ``self.losses`` or a notebook function setting
-  ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell,
-  and those the cell deleted (``del cfg.name``) are deleted there; lists and dicts of tensors
+  ``args.epochs``): their new plain values are set on the notebook's objects, as after a plain cell
+  (one set to a notebook object is that object, :class:`HeldByName`; to another object the cell made,
+  rank 0's, pickled, :class:`PickledObject`), and those the cell deleted (``del cfg.name``) are
+  deleted there; lists and dicts of tensors
   (``self.outs.append(model(x).detach())``) take rank 0's tensors, on the CPU (:mod:`.containers`),
   lists and dicts of more than 10,000 items (a history of every step) what changed in them, compared by
   identity (:mod:`.long_items`), and torch Datasets (a DataModule's ``self.train_set``) come back
