@@ -41,8 +41,12 @@ def worker(monkeypatch):
 
 
 def _shown(sent) -> list[tuple[str, bool, str]]:
-    """(display id, whether an update, html) for each display message."""
-    assert all(m[0] == "display" and m[2] == {} for m in sent), sent
+    """(display id, whether an update, html) for each display message; each says whether its bar is open
+    (carrying its stopped look, red, for the kernel to draw if the task ends first) or closed."""
+    assert all(m[0] == "display" and list(m[2]) == ["gpumagic_bar"] for m in sent), sent
+    for m in sent:
+        bar = m[2]["gpumagic_bar"]
+        assert bar == {"closed": True} or "accent-color:#d9534f" in bar["stopped"]["text/html"], bar
     return [(m[3]["display_id"], m[4], m[1]["text/html"]) for m in sent]
 
 
@@ -156,3 +160,30 @@ def test_render_without_a_total_is_an_indeterminate_bar():
     assert "<progress style=" in data["text/html"] and " 5/? " in data["text/html"]
     assert data["text/plain"].startswith("stream: ") and "\x1b" not in data["text/plain"]
 
+
+
+def test_the_kernel_draws_stopped_the_bars_a_task_left_open(worker, shell, monkeypatch):
+    """What the kernel does with a worker's bar messages (display_relay.show): the bar's own key stays out of
+    the published metadata, and bars not closed when the task ends are drawn stopped, once."""
+    import IPython.display
+    published = []
+    monkeypatch.setattr(IPython.display, "publish_display_data",
+                        lambda data, metadata=None, **kw: published.append((data, metadata, kw)))
+    out = io.StringIO()
+    with notebook_bars(True):
+        done = tqdm_std.tqdm(range(2), desc="done", file=out)
+        list(done)
+        stuck = tqdm_std.tqdm(total=10, desc="stuck", file=out)
+        stuck.update(3)
+        messages = list(worker.sent)   # (before the task's end closes it, as a killed rank never does)
+    for message in messages:
+        display_relay.show(message)
+    assert all(metadata == {} for _, metadata, _ in published)
+    assert len(display_relay._open_bars) == 1
+    published.clear()
+    display_relay.stop_open_bars()
+    ((data, _, kw),) = published
+    assert "stuck" in data["text/html"] and "accent-color:#d9534f" in data["text/html"]
+    assert kw == {"transient": {"display_id": vars(stuck)[tqdm_relay._ATTR].display_id}, "update": True}
+    display_relay.stop_open_bars()
+    assert len(published) == 1 and display_relay._open_bars == {}

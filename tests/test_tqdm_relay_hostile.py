@@ -7,7 +7,8 @@ real Jupyter kernel (ipykernel through nbclient), against what a plain notebook 
   last count, as closing it would (red: stopped early), not the count of its first draw.
 - a bar in a DataLoader worker of a rank stays text, on a line of its own: no cursor moves in the cell.
 - nested bars, ``set_postfix``, ``tqdm.write`` and prints keep a plain cell's order; a fast loop sends a
-  handful of messages; 200 bars are 200 displays; an interrupt leaves nothing for the next cell.
+  handful of messages; 200 bars are 200 displays; an interrupt leaves nothing for the next cell, and the
+  bar it stopped drawn stopped (red).
 """
 from __future__ import annotations
 
@@ -267,6 +268,17 @@ def test_the_cell_after_an_error_or_an_interrupt_gets_no_bar_messages(notebook, 
     cell, bars, messages = _cell(notebook, name)
     assert not _errors(cell) and "plain next" in stream_text(cell), cell.outputs
     assert bars == {} and not [kind for kind, _ in messages if kind == "update_display_data"]
+
+
+def test_the_bar_an_interrupt_stopped_is_drawn_stopped(notebook):
+    """Interrupted mid-loop, the rank's bar kept its last draw, looking alive; tqdm.notebook draws a bar an
+    exception ended red. The kernel's own key in a bar's metadata reaches no frontend."""
+    cell, bars, messages = _cell(notebook, "slow")
+    assert any("Interrupted" in e for e in _errors(cell)), cell.outputs
+    finals = [shown[-1][1] for shown in bars.values()]
+    assert finals and all(GREEN in html for html in finals[:-1]), finals   # the epochs done before it
+    assert RED in finals[-1] and _count(finals[-1]) != "8/8", finals[-1]
+    assert not [c for _, c in messages if "gpumagic_bar" in (c.get("metadata") or {})]
 
 
 def test_bars_in_a_ranks_dataloader_workers_stay_text_without_cursor_moves(notebook):

@@ -23,12 +23,14 @@ from .import_patches import patch_module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["relay_displays", "relay_in", "show", "shown_rank", "publish"]
+__all__ = ["relay_displays", "relay_in", "show", "shown_rank", "publish", "stop_open_bars"]
 
 # Modules that hold IPython's display functions under their own names.
 _HOLDERS = ("IPython.core.display_functions", "IPython.display", "matplotlib_inline.backend_inline")
 _ctx = None                 # this worker's context, once relay_displays ran
 _originals: dict = {}       # IPython's own functions: outside a task they do what they did
+_BAR = "gpumagic_bar"       # a display's metadata key: a progress bar's state (publish), not shown
+_open_bars: dict = {}       # kernel: display id -> how that bar looks stopped, for bars not closed yet
 
 
 def relay_displays(ctx) -> None:
@@ -69,13 +71,15 @@ def shown_rank() -> int | None:
     return ctx.rank if ctx is not None and ctx.forward else None
 
 
-def publish(data: dict, display_id: str, update: bool) -> bool:
+def publish(data: dict, display_id: str, update: bool, bar: dict | None = None) -> bool:
     """``data`` (MIME type: content) shown in the cell as the display ``display_id``, or (``update``) in
-    place of what it showed; False where the task's output does not reach the cell."""
+    place of what it showed; False where the task's output does not reach the cell. ``bar``: for a progress
+    bar, ``{"stopped": data}`` while it is open (what the kernel shows if the task ends first) or
+    ``{"closed": True}``."""
     ctx = _task()
     if ctx is None or not ctx.forward:
         return False
-    ctx._send(("display", data, {}, {"display_id": display_id}, update))
+    ctx._send(("display", data, {_BAR: bar} if bar else {}, {"display_id": display_id}, update))
     return True
 
 
@@ -142,8 +146,31 @@ def show(message: tuple) -> None:
             clear_output(wait=message[1])
         return
     _, data, metadata, transient, update = message
+    bar = metadata.pop(_BAR, None) if metadata else None
+    display_id = (transient or {}).get("display_id")
+    if bar is not None and display_id is not None:
+        if "stopped" in bar:
+            _open_bars[display_id] = bar["stopped"]
+        else:
+            _open_bars.pop(display_id, None)
     if not InteractiveShell.initialized():   # (plain Python: no shell to publish through)
         print(data.get("text/plain", ""))
         return
     from IPython.display import publish_display_data
     publish_display_data(data, metadata, transient=transient or None, update=update)
+
+
+def stop_open_bars() -> None:
+    """In the kernel, as a task ends: the progress bars its workers left open (a rank interrupted, failed or
+    killed mid-loop) are drawn stopped, red, as tqdm.notebook draws a bar an exception ended."""
+    from IPython.core.interactiveshell import InteractiveShell
+    bars = list(_open_bars.items())
+    _open_bars.clear()
+    if not bars or not InteractiveShell.initialized():
+        return
+    from IPython.display import publish_display_data
+    for display_id, stopped in bars:
+        try:
+            publish_display_data(stopped, {}, transient={"display_id": display_id}, update=True)
+        except Exception:  # a bar is only a picture: the task's own end must not fail for it
+            logger.debug("could not draw a stopped bar", exc_info=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .display_relay import show
+from .display_relay import show, stop_open_bars
 from .failures import death_info
 from .start import start_process
 from .teardown import STOP_GRACE, end_processes, interrupts_deferred
@@ -140,8 +140,15 @@ class WorkerGroup:
         ``on_output(rank, stream, text)`` gets what they print, ``on_message(rank, obj)`` what they
         send; ``on_tick()`` runs about every 0.1 s. Returns ``(results, errors, pending)``: each
         rank's ``(payload, data)`` (None where it failed), ``{rank: failure info}``, and the ranks
-        still running when ``grace`` seconds after the first failure had passed.
+        still running when ``grace`` seconds after the first failure had passed. Progress bars the
+        workers left open (a rank interrupted or failed mid-loop) are drawn stopped as it returns.
         """
+        try:
+            return self._collect(ranks, on_output, on_message, on_tick, grace)
+        finally:
+            stop_open_bars()
+
+    def _collect(self, ranks, on_output, on_message, on_tick, grace: float) -> tuple[list, dict, set]:
         pending = set(range(self.world_size) if ranks is None else ranks)
         results: list = [None] * self.world_size
         errors: dict[int, dict] = {}

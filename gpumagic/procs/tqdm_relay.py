@@ -253,9 +253,13 @@ def _send(bar, shown: _Shown, style: str | None = None, data: dict | None = None
     if os.getpid() != _pid:   # (a forked child's copy of the bar: it would write on the worker's link)
         return
     try:
+        # an open bar carries its stopped look, which the kernel draws if the task ends without closing it
+        # (the rank interrupted or killed mid-loop: display_relay.stop_open_bars)
+        ending = {"closed": True} if style is not None or data is not None else \
+            {"stopped": render(bar, "danger", shown.label)}
         data = data if data is not None else render(bar, style, shown.label)
     except Exception:  # a bar that cannot format itself: it shows nothing rather than stopping the cell
         logger.debug("could not render a tqdm bar", exc_info=True)
         return
-    if display_relay.publish(data, shown.display_id, update=shown.sent):
+    if display_relay.publish(data, shown.display_id, update=shown.sent, bar=ending):
         shown.sent, shown.sent_at, shown.sent_n, shown.pending = True, time.monotonic(), bar.n, False
