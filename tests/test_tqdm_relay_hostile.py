@@ -339,3 +339,14 @@ def test_terminal_ipython_keeps_nested_bars_asstream_text(shell):
     out = cap.stdout + cap.stderr
     assert "epochs: 100%" in out and "2/2" in out and "epoch 1 done" in out
     assert not [o for o in cap.outputs if "text/html" in o.data]
+
+
+def test_terminal_ipython_text_bar_over_a_workers_share_ends_full(shell):
+    """A %%sharedtrain worker's first epoch reads half the loader: its text bar stopped at 4/8 (50%)."""
+    result, text, _ = run_cell(shell, SETUP.split("def warm_up")[0])
+    assert result.success, text
+    result, out, _ = run_cell(shell, "%%sharedtrain --nprocs 2\n" + SHARED_LOADER)
+    assert result.success, out
+    last = {rank: (percent, count) for rank, percent, count in
+            re.findall(r"\[rank (\d)\] hogwild: +(\d+)%\|[^|]*\| (\d+/\d+)", out)}
+    assert last == {"0": ("100", "4/4"), "1": ("100", "4/4")}, out

@@ -135,6 +135,8 @@ def _patch(module) -> None:
     def display(self, msg=None, pos=None):
         shown = _shown(self)
         if shown is None:
+            if msg is None:   # (a text bar over a loader's share ends full too: terminal IPython)
+                _follow_share(self)
             return own_display(self, msg=msg, pos=pos)
         if msg != "":   # (tqdm's "" erases the line: the notebook's bar stays until it closes)
             _follow_share(self)
@@ -178,16 +180,16 @@ def _patch(module) -> None:
 
 def _html_init(own_init):
     """tqdm's ``disable=None`` hides a bar off a terminal (a worker's streams are none); tqdm.notebook,
-    which a plain cell draws, shows it: so does a bar that will be drawn as HTML. Such a bar whose total
-    is its iterable's ``len()`` is marked, for :func:`_follow_share`."""
+    which a plain cell draws, shows it: so does a bar that will be drawn as HTML. A worker's bar whose
+    total is its iterable's ``len()`` is marked, for :func:`_follow_share`."""
     @functools.wraps(own_init)
     def __init__(self, *args, **kwargs):
         html = _html_now() is not None
         if html and "disable" in kwargs and kwargs["disable"] is None:
             kwargs["disable"] = False
         own_init(self, *args, **kwargs)
-        if html and kwargs.get("total") is None and len(args) < 3:   # (iterable, desc, total, ...)
-            vars(self)[_LEN_TOTAL] = True
+        if os.getpid() == _pid and kwargs.get("total") is None and len(args) < 3:   # (iterable, desc, total, ...)
+            vars(self)[_LEN_TOTAL] = True   # (an HTML or a text bar, in the worker itself)
     __init__._gpumagic_html = True
     return __init__
 
