@@ -86,13 +86,7 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     # and so do the classes the kernel defines again (``stats = [Stat(...)]`` holds the notebook's Stat)
     definable = definitions(meta["tree"]) if "tree" in meta else {}
     by_name.update({id(ns[n]): (n, ns[n]) for n in state["defined"] if isinstance(ns.get(n), type) and n in definable})
-    # a name the cell left on the notebook's object whose changes come back as attributes (``ev = ev or
-    # Evaluator(model)``): the notebook's object stays bound, as after a plain cell, not a copy; one it bound
-    # to another object is no longer watched (what its name holds now comes back as a value)
-    kept = set(state["still_bound"]) & set(meta.get("watched_if_kept", ())) & set(meta.get("watched", ()))
-    rebound = set(meta.get("watched_if_kept", ())) - set(state["still_bound"])
-    watched = [p for p in meta.get("watched", []) if p.split(".")[0] not in rebound]
-    attributes_before = {p: v for p, v in meta.get("attributes_before", {}).items() if p.split(".")[0] not in rebound}
+    kept, watched, attributes_before = _watched_after(meta, state["still_bound"])
     grew: list[str] = []
     objects: list[tuple[str, object]] = []   # pickled below, once the models the cell made are known
     for n in meta["return_names"]:
@@ -141,6 +135,18 @@ def rank0_state(ns: dict, meta: dict, inner: dict, opts: dict, value) -> dict:
     state["attributes_deleted"] = deleted_attributes(ns, attributes_before, watched)
     state["not_returned"] += attributes.dropped
     return state
+
+
+def _watched_after(meta: dict, still_bound: list[str]) -> tuple[set, list, dict]:
+    """``(kept, watched, their attributes as the cell started)``. A name the cell bound that it left on the
+    notebook's watched object (``ev = ev or Evaluator(model)``) is ``kept``: that object stays bound, as after
+    a plain cell, its changes coming back as attributes; one it bound to another object is no longer
+    watched (what its name holds now comes back as a value)."""
+    watched = meta.get("watched", [])
+    kept = set(still_bound) & set(meta.get("watched_if_kept", ())) & set(watched)
+    rebound = set(meta.get("watched_if_kept", ())) - set(still_bound)
+    return (kept, [p for p in watched if p.split(".")[0] not in rebound],
+            {p: v for p, v in meta.get("attributes_before", {}).items() if p.split(".")[0] not in rebound})
 
 
 def _datasets(state: dict, datasets: dict, refs: dict, room: Room) -> tuple | None:
