@@ -19,7 +19,6 @@ import pickle
 from ..procs.returning import RETURN_LIMIT, NotReturnable
 from ..procs.returning import _Limited as Limited
 from ..procs.returning import _Pickler as ReturningPickler
-from .returnable import follow_path
 from .touched import is_array
 
 logger = logging.getLogger(__name__)
@@ -109,6 +108,8 @@ class _Unpickler(pickle.Unpickler):
 def resolved(paths: list[str], ns: dict) -> dict:
     """In the kernel, before the cell's results bind anything: ``{path: object}`` for the ``paths`` a
     blob names, as the notebook holds them now (as rank 0 held them when the cell started)."""
+    # (imported here: returnable and containers read this module)
+    from .returnable import follow_path
     found = {}
     for path in paths:
         value = follow_path(ns, path)

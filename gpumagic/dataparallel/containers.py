@@ -47,6 +47,7 @@ import logging
 
 from ..cell.values import equal_values, is_plain_value, same_tuple_type
 from ..procs.returning import RETURN_LIMIT
+from .by_reference import loaded, pickled_item, resolved
 from .container_models import layer_of, made_model, model_bytes
 from .long_items import LONG_ITEMS, Shallow, listed, mapped
 from .touched import READ_WHOLE_BYTES, fingerprint, is_array
@@ -321,7 +322,7 @@ def _described(container, records, named: dict, depth: int, items: list | None =
             entry, moved, bad = ("layer", *layer), True, []
         elif (model := made_model(item, named)) is not None:   # (best["model"] = copy.deepcopy(model))
             entry, moved, bad = ("made", model), True, []
-        elif (blob := _pickled(item, named)) is not None:   # (runs.append(Run(cfg, acc)): rank 0's)
+        elif (blob := pickled_item(item, named)) is not None:   # (runs.append(Run(cfg, acc)): rank 0's)
             entry, moved, bad = ("pickled", *blob), True, []
         else:
             entry, moved, bad = None, True, [()]
@@ -331,12 +332,6 @@ def _described(container, records, named: dict, depth: int, items: list | None =
         else:
             entries.append(entry if isinstance(container, (list, tuple)) else (key, entry))
     return entries, changed, foreign
-
-
-def _pickled(item, named: dict):
-    # (imported here: by_reference reads returnable, which reads this module)
-    from .by_reference import pickled_item
-    return pickled_item(item, named)
 
 
 def _kept(key, item, record: tuple, named: dict, depth: int) -> tuple:
@@ -483,7 +478,6 @@ def _item(container, entry, plans: dict, ns: dict | None):
     if tag == "name":
         return (ns or {}).get(entry[1])
     if tag == "pickled":   # (holding the notebook's objects where it did)
-        from .by_reference import loaded, resolved
         return loaded(entry[1], resolved(entry[2], ns or {}))
     if tag == "made":   # (its tensors are views of a buffer the next cell reuses: a copy)
         return copy.deepcopy(entry[1])

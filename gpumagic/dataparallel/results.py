@@ -8,6 +8,7 @@ notebook's objects (:mod:`.returnable`). Nothing changes unless everything fits.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -151,7 +152,6 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
     # The models the cell built, bound now: what its other objects and the notebook's containers hold of
     # them is found by their names (rank_state); one that could not travel leaves its name unbound.
     # Each is a copy, since its tensors are views of a buffer the next cell reuses.
-    import copy
     for name in state.get("made_failed") or []:
         ns.pop(name, None)
     made = []
@@ -394,8 +394,6 @@ def _adopt_layers(module, trained) -> None:
     """``module`` (the notebook's object) takes ``trained``'s structure and weights, as if the cell had
     replaced its layers in the notebook: layers that kept their type stay the same objects (their
     tensors updated in place), new ones are copies of the trained ones, on ``module``'s device."""
-    import copy
-
     import torch
     where = next(iter(module.parameters()), None)
     device = where.device if where is not None else torch.device("cpu")

@@ -35,6 +35,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ..cell.values import detached, is_plain_value
+from .by_reference import pickled_item
 from .container_models import made_model, model_bytes
 from .containers import (
     Room,
@@ -216,7 +217,7 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                     out.changed.setdefault(name, {})[k] = model
                 else:
                     out.dropped.append(f"{name}.{k} ({room.too_large})")
-            elif not is_array(now) and (blob := _pickled(now, named or {})) is not None:   # (args.split = Split())
+            elif not is_array(now) and (blob := pickled_item(now, named or {})) is not None:   # (args.split = Split())
                 if room.take(len(blob[0])):
                     out.changed.setdefault(name, {})[k] = PickledObject(blob[0], tuple(blob[1]))
                 else:
@@ -226,12 +227,6 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                                    if not is_array(now) else
                                    f"{name}.{k} (an array too large to bring back, or of a kind not compared)")
     return out
-
-
-def _pickled(value, named: dict):
-    # (imported here: by_reference reads this module)
-    from .by_reference import pickled_item
-    return pickled_item(value, named)
 
 
 def _describe_items(out: AttributeChanges, room: Room, name: str, k: str, now, was, held, named) -> None:
