@@ -122,7 +122,7 @@ def test_two_results_of_one_graph_share_its_activations(shell, no_cuda_init):
 
 
 def test_a_huge_graph_is_read_up_to_the_limit_with_a_note(shell, no_cuda_init, monkeypatch):
-    from gpumagic.devices import autograd_graph
+    from gpumagic.memory import autograd_graph
     monkeypatch.setattr(autograd_graph, "MAX_NODES", 100)
     run_cell(shell, "import torch\nleaf = torch.ones(10, requires_grad=True)\ny = leaf\n"
                     "for _ in range(300):\n    y = y.exp()")

@@ -17,8 +17,9 @@ import time
 import pytest
 
 from gpumagic import devices
-from gpumagic.devices import memory, variables
+from gpumagic.devices import memory
 from gpumagic.display import fmt_bytes
+from gpumagic.memory import variables
 from tests.conftest import run_cell, wait_for
 
 pytestmark = pytest.mark.gpu

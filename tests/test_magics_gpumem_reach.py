@@ -79,7 +79,7 @@ def test_twenty_watch_and_stop_leave_no_thread(notebook):
 
 def test_variable_memory_of_globals_in_a_notebook_leaves_the_shell_out(shell):
     # exit, quit and get_ipython reach the shell, and through it every variable and Out[...].
-    result, _, _ = run_cell(shell, "import torch\nfrom gpumagic.devices.memory import variable_memory\n"
+    result, _, _ = run_cell(shell, "import torch\nfrom gpumagic.memory import variable_memory\n"
                                    "big = torch.zeros(1 << 16)\n"
                                    "names = sorted(r.name for r in variable_memory(globals()).rows)")
     assert result.success and shell.user_ns["names"] == ["big"]

@@ -3,7 +3,7 @@
 :func:`snapshot` gives used/total per device (NVML for GPUs, psutil for the
 CPU), this kernel's own share, and torch's allocator figures where this
 kernel has already initialised CUDA; :func:`device_memory` reads one device.
-Which variables hold the memory, and freeing it, live in :mod:`.variables`.
+Which variables hold the memory, and freeing it, live in :mod:`gpumagic.memory`.
 
 Nothing here initialises CUDA or creates a CUDA context: GPU figures come from
 NVML, and torch is asked only about devices it has already set up. A
@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from ..display import NA, fmt_bytes, html_table, text_table
 from . import discovery as devices
 from . import nvml
-from .variables import variable_memory  # re-exported: notebooks import it from here
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory", "targets",
-           "torch_allocator", "variable_memory"]
+           "torch_allocator"]
 
 
 @dataclass

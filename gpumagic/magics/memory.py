@@ -152,8 +152,9 @@ class MemoryMagics(Magics):
             %gpumem --free             # gc + empty_cache, and what it gave back
             held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
-        from ..devices import memory, variables
+        from ..devices import memory
         from ..devices.discovery import bounded_gpus
+        from ..memory import free, variables
         args = parse(self.gpumem, line)
         # --stop asks NVML nothing (unless a device is named): with a wedged driver it must still stop the gauges.
         # Elsewhere the GPUs are listed in a bounded reading: a wedged driver leaves them out, with a note.
@@ -175,7 +176,7 @@ class MemoryMagics(Magics):
                                                holders=(self.shell,), last_error=_last_error())
             return _report(self.shell, report, args.json)
         if args.free:
-            freed = variables.free_memory(device, history=self.shell.user_ns.get("Out"), user_ns=self.shell.user_ns,
+            freed = free.free_memory(device, history=self.shell.user_ns.get("Out"), user_ns=self.shell.user_ns,
                                           hidden=self.shell.user_ns_hidden, holders=(self.shell,),
                                           last_error=_last_error())
             return _report(self.shell, freed, args.json)

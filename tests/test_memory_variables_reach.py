@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from gpumagic.devices import variables
+from gpumagic.memory import free, variables
 
 
 def rows(ns, **kw):
@@ -169,7 +169,7 @@ def test_output_history_note_leaves_out_what_variables_hold():
     assert rep.notes == ["the output history (Out[...]) still holds tensors: 2.0 KiB on cpu that no variable "
                          "holds; `%reset -f out` lets them go."]
     assert variables.variable_memory({"w": w}, history={2: w}).notes == []
-    assert variables.free_memory(history={2: w}, user_ns={"w": w}).notes == \
+    assert free.free_memory(history={2: w}, user_ns={"w": w}).notes == \
         ["this kernel has not initialised CUDA, so it holds no cached GPU blocks."]
     assert rep.as_dict()["notes"] == rep.notes
 

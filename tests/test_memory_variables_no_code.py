@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from gpumagic.devices import variables
+from gpumagic.memory import variables
 
 
 def rows(ns, **kw):
@@ -90,7 +90,7 @@ def test_a_variable_that_cannot_be_read_is_named_in_a_note(monkeypatch):
     rep = variables.variable_memory({"odd": Odd(), "x": torch.zeros(5)})
     assert [r.name for r in rep.rows] == ["x"]
     assert rep.notes == ["not read, so not listed: odd (RuntimeError) (reading them failed; the log of "
-                         "gpumagic.devices.variables says why)."]
+                         "gpumagic.memory.variables says why)."]
     assert rep.as_dict()["notes"] == rep.notes
 
 

@@ -1,17 +1,14 @@
-"""Which notebook variables hold memory, and freeing it: ``%gpumem --vars`` and ``--free``.
+"""Which notebook variables hold memory: ``%gpumem --vars``.
 
-* :func:`variable_memory` -- bytes held by tensors, modules, optimizers and
-  containers in a namespace, per device, each storage counted once;
-* :func:`free_memory` -- collect garbage, release torch's cached blocks and
-  report what was freed per device.
+:func:`variable_memory` gives the bytes held by tensors, modules, optimizers and
+containers in a namespace, per device, each storage counted once.
 
-Neither imports torch nor initialises CUDA: where torch was never imported
+It never imports torch nor initialises CUDA: where torch was never imported
 no tensor exists, and torch is asked only about devices it has already set up.
 Nothing here needs IPython.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import types
@@ -20,12 +17,11 @@ from dataclasses import dataclass, field
 
 from ..display import fmt_bytes, html_table, text_table
 from . import autograd_graph
-from . import discovery as devices
 from .storages import AUTOGRAD, Collector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VarMemory", "VarsReport", "variable_memory", "FreedRow", "FreeReport", "free_memory"]
+__all__ = ["VarMemory", "VarsReport", "variable_memory"]
 
 
 def _torch():
@@ -165,7 +161,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
     In a notebook::
 
         x = torch.zeros(1024, 1024, device="cuda:0")
-        from gpumagic.devices.variables import variable_memory
+        from gpumagic.memory.variables import variable_memory
         variable_memory(globals())["x"].nbytes
         4194304
     """
@@ -200,7 +196,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
                      "tensor under two names, a function or partial over a variable); totals count them once.")
     if unread:
         notes.append(f"not read, so not listed: {', '.join(unread)} (reading them failed; "
-                     "the log of gpumagic.devices.variables says why).")
+                     "the log of gpumagic.memory.variables says why).")
     if any(r.truncated for r in rows):
         notes.append(f"(first items only): a container had more than {max_items} items; the rest were not read.")
     notes += _graph_notes(per_var, rows, max_nodes)
@@ -357,119 +353,3 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
             held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
             notes.append(f"{what} still holds tensors: {held_text} that no variable holds; {how}")
     return notes
-
-
-# --------------------------------------------------------------------------- freeing
-
-@dataclass
-class FreedRow:
-    device: str
-    before: int | None
-    after: int | None
-    what: str
-
-    @property
-    def freed(self) -> int | None:
-        if self.before is None or self.after is None:
-            return None
-        return self.before - self.after
-
-
-class FreeReport:
-    """What ``%gpumem --free`` did: per device, memory before and after."""
-
-    header = ["device", "measured", "before", "after", "freed"]
-
-    def __init__(self, rows: list[FreedRow], collected: int, notes: list[str] | None = None):
-        self.rows = rows
-        self.collected = collected
-        self.notes = notes or []
-
-    def __getitem__(self, device: str) -> FreedRow:
-        for row in self.rows:
-            if row.device == device:
-                return row
-        raise KeyError(device)
-
-    def as_dict(self) -> dict:
-        return {
-            "collected": self.collected,
-            "devices": {r.device: {"measured": r.what, "before": r.before, "after": r.after, "freed": r.freed}
-                        for r in self.rows},
-            "notes": list(self.notes),
-        }
-
-    def _cells(self):
-        return [[r.device, r.what, fmt_bytes(r.before), fmt_bytes(r.after), fmt_bytes(r.freed)]
-                for r in self.rows]
-
-    def text(self) -> str:
-        lines = [f"garbage collector: {self.collected} unreachable objects",
-                 text_table(self._cells(), self.header), *self.notes]
-        return "\n".join(lines)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(self.text())
-
-    def _repr_html_(self):
-        import html
-        head = f"<div>garbage collector: {self.collected} unreachable objects</div>"
-        notes = "".join(f"<div>{html.escape(n)}</div>" for n in self.notes)
-        return head + html_table(self._cells(), self.header) + notes
-
-    def __repr__(self):
-        return self.text()
-
-
-def free_memory(device: str | None = None, history: dict | None = None, user_ns: dict | None = None,
-                hidden=(), holders=(), last_error: BaseException | None = None) -> FreeReport:
-    """Collect garbage and release torch's cached blocks; report what was freed.
-
-    GPUs report torch's reserved bytes before and after (only devices this
-    kernel initialised; the others hold nothing of ours); the CPU reports the
-    kernel's resident memory. ``device`` limits the report, not the freeing
-    (``gc`` and ``empty_cache`` act on everything). ``history`` (IPython's
-    ``Out``) and ``last_error`` are checked for tensors they alone keep alive
-    (no variable of ``user_ns`` holds them), which freeing cannot release.
-
-    In a notebook::
-
-        del model, optimizer
-        %gpumem --free
-    """
-    import psutil
-    proc = psutil.Process()
-    torch = _torch()
-    cuda = devices.torch_cuda_initialized()
-    indices = list(range(torch.cuda.device_count())) if cuda else []
-
-    def reserved():
-        return {i: int(torch.cuda.memory_reserved(i)) for i in indices}
-
-    rss_before = proc.memory_info().rss
-    before = reserved()
-    collected = gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()  # releases unused cached blocks on every device
-    mps = torch is not None and "mps" in (device or "mps") and devices.mps_available()
-    if mps:
-        mps_before = int(torch.mps.driver_allocated_memory())
-        torch.mps.empty_cache()
-    after = reserved()
-    rss_after = proc.memory_info().rss
-
-    rows = [FreedRow("cpu", rss_before, rss_after, "kernel resident")]
-    rows += [FreedRow(f"cuda:{i}", before[i], after[i], "torch reserved") for i in indices]
-    if mps:
-        rows.append(FreedRow("mps", mps_before, int(torch.mps.driver_allocated_memory()), "mps driver"))
-    if device is not None:
-        rows = [r for r in rows if r.device == device]
-    notes = []
-    if torch is not None:
-        ns = user_ns or {}
-        notes = _kept_notes(history, last_error, device,
-                            lambda: _collect(torch, ns, hidden, 6, 100_000, _skip(ns, history, holders))[1],
-                            _skip(ns, None, holders))
-    if not cuda and (device is None or device.startswith("cuda")):
-        notes.append("this kernel has not initialised CUDA, so it holds no cached GPU blocks.")
-    return FreeReport(rows, collected, notes)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from gpumagic.devices import variables
+from gpumagic.memory import free, variables
 
 MiB = 2**20
 
@@ -113,7 +113,7 @@ def test_free_collects_cycles_and_reports_cpu_memory():
     gc.disable()   # the cycle must still be there when free_memory collects: no automatic collection first
     try:
         make_garbage()
-        rep = variables.free_memory()
+        rep = free.free_memory()
     finally:
         gc.enable()
     assert rep.collected >= 1

@@ -9,7 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from gpumagic.devices import variables
+from gpumagic.memory import variables
 
 
 def parts(ns, name, **kw):
@@ -128,7 +128,7 @@ def test_a_deep_graph_is_bounded_and_fast():
 
 
 def test_a_torch_that_cannot_show_saved_tensors_unpacked_counts_none_and_says_so(monkeypatch):
-    from gpumagic.devices import autograd_graph
+    from gpumagic.memory import autograd_graph
     monkeypatch.setattr(autograd_graph, "saved_tensors_readable", lambda torch: False)
     w = torch.randn(50, 50, requires_grad=True)
     x = torch.randn(20, 50)

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from gpumagic.devices import variables
+from gpumagic.memory import variables
 
 
 def rows(ns, **kw):

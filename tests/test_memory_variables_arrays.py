@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpumagic.devices import variables
+from gpumagic.memory import variables
 
 
 def rows(ns, **kw):
