@@ -107,7 +107,7 @@ def test_json_keeps_the_notes_and_the_history_note_names_only_what_it_alone_hold
     run_cell(shell, "torch.ones(1024)")                 # Out[...] alone holds this one
     held = shell.run_line_magic("gpumem", "--vars --json")
     assert held["notes"] == ["the output history (Out[...]) still holds tensors: 4.0 KiB on cpu that no "
-                             "variable holds; `%reset -f out` lets them go."]
+                             "variable holds; `%gpumem --free --history` lets them go."]
     assert held["variables"][0]["truncated"] is False
 
 

@@ -49,7 +49,7 @@ def test_the_shell_is_not_a_variable_that_holds_everything(shell, no_cuda_init):
     held = shell.run_line_magic("gpumem", "--vars --json")
     assert [(v["name"], v["bytes"]) for v in held["variables"]] == [("big", 1 << 20)]
     assert held["notes"] == ["the output history (Out[...]) still holds tensors: 4.0 KiB on cpu that no "
-                             "variable holds; `%reset -f out` lets them go."]
+                             "variable holds; `%gpumem --free --history` lets them go."]
     _, out, _ = run_cell(shell, "%gpumem --vars")
     assert "InteractiveShell" not in out and "\nrun " not in out
 
@@ -92,14 +92,15 @@ def test_the_last_errors_frames_are_named_as_what_holds_their_tensors(shell, no_
                                    "    raise RuntimeError('out of memory')\nforward()")
     assert not result.success
     held = shell.run_line_magic("gpumem", "--vars --json")
-    clear = "sys.last_exc = " if sys.version_info >= (3, 12) else ""
     assert held["variables"] == [] and held["notes"] == [
-        "the last error's traceback (sys.last_traceback, its frames' locals) still holds tensors: 1.0 MiB on "
-        f"cpu that no variable holds; `{clear}sys.last_value = sys.last_traceback = None` (after `import sys`), "
-        "then `%gpumem --free`, lets them go; so does the next error."]
-    freed = shell.run_line_magic("gpumem", "--free --json")
-    assert any(n.startswith("the last error's traceback") for n in freed["notes"])
-    run_cell(shell, f"import sys\n{clear}sys.last_value = sys.last_traceback = None")   # what the note says
+        "the last error's traceback (its frames' locals) still holds tensors: 1.0 MiB on cpu that no variable "
+        "holds; `%gpumem --free` lets them go; `%gpumem --rescue` moves them to the CPU instead, where %debug "
+        "still shows them."]
+    act = weakref.ref(sys.last_value.__traceback__.tb_next.tb_next.tb_frame.f_locals["act"])
+    assert act() is not None
+    freed = shell.run_line_magic("gpumem", "--free --json")   # what the note says
+    assert act() is None, "the note's advice did not free the tensor"
+    assert freed["last_error"]["frames_cleared"] >= 1 and "sys.last_value" in freed["last_error"]["let_go"]
     assert shell.run_line_magic("gpumem", "--vars --json")["notes"] == []
 
 
@@ -109,7 +110,7 @@ def test_an_error_whose_len_raises_is_still_read(shell):
                                    "def forward():\n    act = torch.zeros(1024)\n    raise Odd()\nforward()")
     assert not result.success
     held = shell.run_line_magic("gpumem", "--vars --json")
-    assert held["notes"][0].startswith("the last error's traceback (sys.last_traceback, its frames' locals) "
+    assert held["notes"][0].startswith("the last error's traceback (its frames' locals) "
                                        "still holds tensors: 4.0 KiB on cpu")
 
 
@@ -132,5 +133,5 @@ def test_a_failed_cells_own_frame_is_not_named_for_what_the_notebook_holds(shell
     run_cell(shell, "torch.ones(400, 400)")            # held by Out alone
     notes = shell.run_line_magic("gpumem", "--vars --json")["notes"]
     assert [n.split(" still holds")[0] for n in notes] == ["the output history (Out[...])"], notes
-    run_cell(shell, "%reset -f out")
+    run_cell(shell, "%gpumem --free --history")     # what the note says
     assert shell.run_line_magic("gpumem", "--vars --json")["notes"] == []

@@ -167,7 +167,7 @@ def test_output_history_note_leaves_out_what_variables_hold():
     rep = variables.variable_memory({"w": w}, history=out)
     assert rep.totals == {"cpu": 4000}
     assert rep.notes == ["the output history (Out[...]) still holds tensors: 2.0 KiB on cpu that no variable "
-                         "holds; `%reset -f out` lets them go."]
+                         "holds; `%gpumem --free --history` lets them go."]
     assert variables.variable_memory({"w": w}, history={2: w}).notes == []
     assert free.free_memory(history={2: w}, user_ns={"w": w}).notes == \
         ["this kernel has not initialised CUDA, so it holds no cached GPU blocks."]

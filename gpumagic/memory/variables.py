@@ -58,10 +58,12 @@ class VarsReport:
 
     header = ["variable", "type", "device", "size", "made of", "shared"]
 
-    def __init__(self, rows: list[VarMemory], totals: dict[str, int], notes: list[str] | None = None):
+    def __init__(self, rows: list[VarMemory], totals: dict[str, int], notes: list[str] | None = None,
+                 storage_keys: frozenset = frozenset()):
         self.rows = rows
         self.totals = totals
         self.notes = notes or []
+        self.storage_keys = storage_keys   # (device, data_ptr) of every storage counted: what the variables hold
 
     def __getitem__(self, key) -> VarMemory:
         """``report["x"]`` (the only row of ``x``) or ``report["x", "cuda:0"]``."""
@@ -202,7 +204,7 @@ def variable_memory(user_ns: dict, hidden=(), device: str | None = None, max_dep
     notes += _graph_notes(per_var, rows, max_nodes)
     notes += _kept_notes(history, last_error, device, lambda: owners, _skip(user_ns, None, holders))
     totals = _totals(counted)
-    return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes)
+    return VarsReport(rows, {d: b for d, b in totals.items() if b}, notes, frozenset(counted))
 
 
 def _graph_notes(per_var: dict, rows: list[VarMemory], max_nodes: int) -> list[str]:
@@ -325,11 +327,10 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
     memory no variable holds, yet nothing frees. Storages ``held()`` names (a variable's too) are
     left out: letting these go would not free them. ``held`` is called only where one of them
     holds tensors at all."""
-    clear = " = ".join([*(["sys.last_exc"] if sys.version_info >= (3, 12) else []),
-                        "sys.last_value", "sys.last_traceback", "None"])
-    sources = [(history, "the output history (Out[...])", "`%reset -f out` lets them go."),
-               (last_error, "the last error's traceback (sys.last_traceback, its frames' locals)",
-                f"`{clear}` (after `import sys`), then `%gpumem --free`, lets them go; so does the next error.")]
+    sources = [(history, "the output history (Out[...])", "`%gpumem --free --history` lets them go."),
+               (last_error, "the last error's traceback (its frames' locals)",
+                "`%gpumem --free` lets them go; `%gpumem --rescue` moves them to the CPU instead, where "
+                "%debug still shows them.")]
     notes: list[str] = []
     held_keys: Container | None = None
     for source, what, how in sources:
@@ -353,3 +354,41 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
             held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
             notes.append(f"{what} still holds tensors: {held_text} that no variable holds; {how}")
     return notes
+
+
+def exclusive_bytes(user_ns: dict, hidden=(), device: str | None = None, history: dict | None = None,
+                    holders=()) -> dict[str, int]:
+    """Bytes on ``device`` that ``del name`` (then ``gc`` and ``empty_cache``) would free: the storages
+    ``name`` reaches that no other variable nor the output history reaches, by any route (an optimizer
+    reaches its model's parameters, a kept result its graph's activations).
+
+    In a notebook::
+
+        from gpumagic.memory.variables import exclusive_bytes
+        exclusive_bytes(globals(), device="cuda:0")["opt"]
+    """
+    torch = _torch()
+    if torch is None:
+        return {}
+    skip = _skip(user_ns, history, holders)
+    per_var, _, _ = _collect(torch, user_ns, hidden, 6, 100_000, skip)
+    reach: dict[tuple, set[str]] = {}
+    sizes: dict[tuple, int] = {}
+    for name, (_, collector) in per_var.items():
+        for held in (collector.storages, collector.via_optimizer, collector.via_graph,
+                     collector.via_optimizer_graph):
+            for key, (dev, nbytes, _) in held.items():
+                if device is None or dev == device:
+                    reach.setdefault(key, set()).add(name)
+                    sizes[key] = max(sizes.get(key, 0), nbytes)
+    if history is not None:
+        kept = Collector(torch, 6, 100_000, skip=_skip(user_ns, None, holders))
+        kept.walk(history)
+        for key in (*kept.storages, *kept.via_graph):
+            reach.setdefault(key, set()).add("Out")
+    alone: dict[str, int] = {}
+    for key, names in reach.items():
+        if len(names) == 1 and "Out" not in names:
+            name = next(iter(names))
+            alone[name] = alone.get(name, 0) + sizes.get(key, 0)
+    return alone
