@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class GraphWalk:
         self._nodes: dict[int, object] = {}   # id -> node: holding them keeps their ids unique
         self._getters: dict[int, tuple] = {}  # id(node class) -> its C getters
         self._saved_type = getattr(getattr(torch._C, "_autograd", None), "SavedTensor", None)
+        # Called with (SavedTensor, its tensor) for each saved tensor read without a hook: what moves a
+        # graph's saved tensors elsewhere (memory/moving.py) records them through it.
+        self.on_saved: Callable[[object, object], None] | None = None
 
     def held(self, grad_fn) -> Iterator[tuple[str, object]]:
         """What the graph under ``grad_fn`` holds, walking nodes not read before."""
@@ -123,6 +126,8 @@ class GraphWalk:
         if data is None:    # freed by backward(), or an optional tensor never given
             return
         if hook is None and issubclass(type(data), self.torch.Tensor):
+            if self.on_saved is not None:
+                self.on_saved(saved, data)
             yield "tensor", data
             return
         yield "object", data

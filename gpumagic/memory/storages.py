@@ -96,6 +96,7 @@ class Collector:
         try:
             layout = t.layout
             if layout is not self.torch.strided:
+                self._seen(t, None)
                 if t.is_sparse:
                     self.add_tensor(t._indices(), part, into)
                     self.add_tensor(t._values(), part, into)
@@ -113,6 +114,7 @@ class Collector:
             nbytes = int(storage.nbytes())
             if ptr == 0:  # empty storages all sit at 0
                 key = (device, "empty", id(storage))
+            self._seen(t, key)
         except Exception:
             # Wrapper subclasses without a storage: count the elements they expose.
             logger.debug("a %s has no storage to read; counting its elements", type(t).__name__, exc_info=True)
@@ -122,7 +124,12 @@ class Collector:
             except Exception:  # one unreadable tensor must not hide the rest of the variable
                 logger.debug("a %s has no size to read; skipping it", type(t).__name__, exc_info=True)
                 return
+            self._seen(t, None)
         self._add(into, key, device, nbytes, part)
+
+    def _seen(self, t, key: tuple | None) -> None:
+        """Called for each tensor object counted, with its storage's key (None: no plain storage to
+        count it by: sparse, a wrapper subclass). A subclass that must act on tensors records them."""
 
     @staticmethod
     def _add(into: dict, key: tuple, device: str, nbytes: int, part: str) -> None:
