@@ -30,8 +30,10 @@ def _classes():
 
 
 def register(shell) -> None:
+    from . import cell_events
     for cls in _classes():
         shell.register_magics(cls(shell))
+    cell_events.register(shell)
     try:
         bytecode.warm_cache()  # only where workers would otherwise compile torch: see procs/bytecode.py
     except OSError:  # a speed-up only; workers then fill the cache themselves
@@ -39,7 +41,9 @@ def register(shell) -> None:
 
 
 def unregister(shell) -> None:
-    """Stop background threads, pools and servers, then remove every gpumagic magic."""
+    """Stop background threads, pools and servers, then remove every gpumagic magic and cell event."""
+    from . import cell_events
+    cell_events.unregister(shell)
     for error in session.close_all():
         logger.warning("while unloading gpumagic: %s: %s", type(error).__name__, error)
     table = shell.magics_manager.magics

@@ -11,7 +11,7 @@ from .. import display
 from ..errors import UsageError, usage_error
 from .args import parse
 
-_ACTIONS = ("--watch", "--stop", "--vars", "--free")
+_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
 MAX_INTERVAL = 3600.0  # an hour: gauges that slow show nothing live (and past TIMEOUT_MAX the thread died)
 _INTERVAL_RANGE = f"must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL:.0f}"
@@ -48,6 +48,10 @@ def check_args(args, gpus, hung: str | None = None) -> str | None:
     if args.json and (args.watch or args.stop):
         raise usage_error(f"--json returns a report's data; {chosen[0]} has none",
                           ["%gpumem --json", "%gpumem --vars --json", "%gpumem --free --json"])
+    if args.history and not args.free:
+        raise usage_error("--history only applies to --free", ["--free --history"])
+    if args.drop and not args.rescue:
+        raise usage_error("--drop only applies to --rescue", ["--rescue --drop"])
     if args.interval is not None:
         if not args.watch:
             raise usage_error("--interval only applies to --watch", ["--watch --interval S"])
@@ -128,7 +132,15 @@ class MemoryMagics(Magics):
     @argument("--vars", action="store_true",
               help="which notebook variables hold memory on which device, largest first")
     @argument("--free", action="store_true",
-              help="collect garbage, release torch's cached blocks, report what was freed")
+              help="let go of what only IPython holds (the last error's frames), collect garbage, release "
+                   "torch's caches; report what was freed and what still holds memory")
+    @argument("--history", action="store_true",
+              help="with --free: also the output history's entries (Out[N], _N, _) that hold tensors")
+    @argument("--rescue", action="store_true",
+              help="after an error (out of memory): move the GPU tensors only the last error holds to the CPU, "
+                   "where %%debug still shows them, and release torch's caches")
+    @argument("--drop", action="store_true",
+              help="with --rescue: let go of what the last error holds instead of moving it")
     @argument("--json", action="store_true",
               help="return the report as a plain dict instead of showing it (the table, --vars, --free)")
     @line_magic
@@ -149,7 +161,9 @@ class MemoryMagics(Magics):
             %gpumem --watch --interval 1
             %gpumem --stop
             %gpumem --vars             # tensors, models, optimizer state by variable
-            %gpumem --free             # gc + empty_cache, and what it gave back
+            %gpumem --free             # let go of the last error, gc, empty_cache: what it gave back
+            %gpumem --free --history   # also Out[...] entries that hold tensors
+            %gpumem --rescue           # after an out-of-memory error: its GPU tensors to the CPU
             held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
         from ..devices import memory
@@ -177,10 +191,25 @@ class MemoryMagics(Magics):
             return _report(self.shell, report, args.json)
         if args.free:
             freed = free.free_memory(device, history=self.shell.user_ns.get("Out"), user_ns=self.shell.user_ns,
-                                          hidden=self.shell.user_ns_hidden, holders=(self.shell,),
-                                          last_error=_last_error())
+                                     hidden=self.shell.user_ns_hidden, holders=(self.shell,), shell=self.shell,
+                                     drop_history=args.history)
             return _report(self.shell, freed, args.json)
+        if args.rescue:
+            return _report(self.shell, _rescue(self.shell, device, args.drop), args.json)
         return _report(self.shell, memory.snapshot(device, gpus, hung), args.json)
+
+
+def _rescue(shell, device: str | None, drop: bool):
+    """``--rescue``: a host too small for the copies is a UsageError that names ``--drop``."""
+    from ..memory import rescue
+    if device == "cpu":
+        raise usage_error("--rescue moves tensors off a GPU; cpu is where they go",
+                          ["%gpumem --rescue", "%gpumem cuda:N --rescue", "%gpumem --rescue --drop"])
+    try:
+        return rescue.rescue(shell, shell.user_ns, hidden=shell.user_ns_hidden, holders=(shell,), device=device,
+                             drop=drop)
+    except rescue.NotEnoughHostMemory as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _last_error() -> BaseException | None:
