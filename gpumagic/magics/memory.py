@@ -11,7 +11,7 @@ from .. import display
 from ..errors import UsageError, usage_error
 from .args import parse
 
-_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue")
+_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
 MAX_INTERVAL = 3600.0  # an hour: gauges that slow show nothing live (and past TIMEOUT_MAX the thread died)
 _INTERVAL_RANGE = f"must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL:.0f}"
@@ -45,7 +45,7 @@ def check_args(args, gpus, hung: str | None = None) -> str | None:
     chosen = [flag for flag in _ACTIONS if getattr(args, flag[2:])]
     if len(chosen) > 1:
         raise usage_error(f"{' and '.join(chosen)} cannot be combined; pick one", _ACTIONS)
-    if args.json and (args.watch or args.stop):
+    if args.json and (args.watch or args.stop or args.cells):
         raise usage_error(f"--json returns a report's data; {chosen[0]} has none",
                           ["%gpumem --json", "%gpumem --vars --json", "%gpumem --free --json"])
     if args.history and not args.free:
@@ -141,6 +141,9 @@ class MemoryMagics(Magics):
                    "where %%debug still shows them, and release torch's caches")
     @argument("--drop", action="store_true",
               help="with --rescue: let go of what the last error holds instead of moving it")
+    @argument("--cells", action="store_true",
+              help="a ledger after each cell: per device, before -> after and the cell's peak, the variables that "
+                   "grew, and re-runs that keep growing (a leak); again to turn it off")
     @argument("--json", action="store_true",
               help="return the report as a plain dict instead of showing it (the table, --vars, --free)")
     @line_magic
@@ -164,6 +167,7 @@ class MemoryMagics(Magics):
             %gpumem --free             # let go of the last error, gc, empty_cache: what it gave back
             %gpumem --free --history   # also Out[...] entries that hold tensors
             %gpumem --rescue           # after an out-of-memory error: its GPU tensors to the CPU
+            %gpumem --cells            # a memory ledger after each cell (again: off)
             held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
         from ..devices import memory
@@ -194,6 +198,12 @@ class MemoryMagics(Magics):
                                      hidden=self.shell.user_ns_hidden, holders=(self.shell,), shell=self.shell,
                                      drop_history=args.history)
             return _report(self.shell, freed, args.json)
+        if args.cells:
+            from .cell_events import toggle_ledger
+            on = toggle_ledger(self.shell)
+            print("The memory ledger is on: a line per device after each cell (`%gpumem --cells` again turns it off)."
+                  if on else "The memory ledger is off.")
+            return None
         if args.rescue:
             return _report(self.shell, _rescue(self.shell, device, args.drop), args.json)
         return _report(self.shell, memory.snapshot(device, gpus, hung), args.json)
