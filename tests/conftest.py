@@ -101,8 +101,16 @@ def messages(monkeypatch):
 
 @pytest.fixture
 def no_last_error():
-    """No earlier failure (another test's cell, pytest's own record) in sys.last_*: its frames' tensors
-    would add a note of their own to %gpumem's report."""
+    """No earlier failure (another test's cell, pytest's own record) kept by sys.last_* or by the shell
+    (its traceback formatter, its last result): its frames' tensors would add a note of their own to
+    %gpumem's report, and their bytes would go in the middle of a test that measures memory."""
+    import gc
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from gpumagic.memory import last_error
+    last_error.let_go(InteractiveShell.instance() if InteractiveShell.initialized() else None)
     sys.last_type = sys.last_value = sys.last_traceback = None
     if sys.version_info >= (3, 12):
         sys.last_exc = None
+    gc.collect()

@@ -58,9 +58,11 @@ def drop_entries(shell, numbers) -> list[str]:
                     dropped.append(f"_{n}")
     hook = getattr(shell, "displayhook", None)
     for name in _UNDERS:
-        if any(ns.get(name) is v for v in values):
-            ns[name] = ""
-            dropped.append(name)
+        for space in (ns, shell.user_ns_hidden):   # pushed as IPython's own names: in both
+            if any(space.get(name) is v for v in values):
+                space[name] = ""
+                if space is ns:
+                    dropped.append(name)
         if hook is not None and any(getattr(hook, name, None) is v for v in values):
             setattr(hook, name, "")   # the display hook's own copies, from which it fills `_` again
     return dropped

@@ -32,7 +32,7 @@ MOST_VARIABLES = 5
 MOST_FRAMES = 8
 MOST_LOCALS = 5
 FRAGMENTED = 1 << 30   # reserved-but-unused bytes worth a word about fragmentation
-FREEABLE_SHARE = 0.05  # a variable whose `del` frees less than this share of the device is not worth advice
+FREEABLE_FLOOR = 16 << 20   # a variable whose `del` frees less than this is not worth advice
 
 _CPU_MESSAGES = ("can't allocate memory", "not enough memory", "unable to allocate", "cannot allocate memory")
 _GPU_MESSAGES = ("cuda out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
@@ -90,11 +90,11 @@ def oom_device(error: BaseException) -> str:
         return f"cuda:{gpu.group(1)}"
     if "mps" in lower:
         return "mps"
+    cuda = devices.torch_cuda_initialized()
     torch = _torch()
     oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if any(m in lower for m in _GPU_MESSAGES) or (oom_type is not None and isinstance(oom, oom_type)):
-        index = torch.cuda.current_device() if devices.torch_cuda_initialized() else 0
-        return f"cuda:{index}"
+    if any(m in lower for m in _GPU_MESSAGES) or (cuda and oom_type is not None and isinstance(oom, oom_type)):
+        return f"cuda:{torch.cuda.current_device() if cuda else 0}"
     return "cpu"
 
 
@@ -299,7 +299,7 @@ def _advice(report: OomReport) -> list[str]:
     if report.requested and report.total and report.requested > report.total:
         advice.append(f"the allocation asked for more than the device has in all ({fmt_bytes(report.total)}): "
                       "no freeing makes room for it; a smaller size does")
-    elif report.freeable is not None and report.freeable[1] >= (report.total or 0) * FREEABLE_SHARE:
+    elif report.freeable is not None and report.freeable[1] >= FREEABLE_FLOOR:
         name, nbytes = report.freeable
         advice.append(f"`del {name}` then `%gpumem --free` gives back {fmt_bytes(nbytes)} (what no other "
                       "variable holds); a smaller batch needs less")
