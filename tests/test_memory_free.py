@@ -49,7 +49,8 @@ def test_free_gives_back_what_only_the_last_error_held(shell, no_cuda_init):
     assert rss() - base < 32 * MIB, "the kernel holds more than its variables after --free"
     assert freed["devices"]["cpu"]["freed"] > BIG * 1.4
     assert {"sys.last_value", "sys.last_traceback", "InteractiveTB.tb"} <= set(freed["last_error"]["let_go"])
-    assert freed["last_error"]["frames_cleared"] == 2   # forward's and IPython's run_code; the cell's own is the notebook
+    # forward's frame and IPython's run_code; the cell's own frame is the notebook's namespace
+    assert freed["last_error"]["frames_cleared"] == 2
     assert [(h["name"], h["bytes"]) for h in freed["held"]] == [("keep", 16 * MIB)]
     assert torch.equal(shell.user_ns["keep"], torch.ones(16 * 1024 * 1024 // 4))
     assert sys.last_value is None and shell.InteractiveTB.tb is None
