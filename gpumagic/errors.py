@@ -12,6 +12,7 @@ One error path per kind:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -50,6 +51,7 @@ class WorkerError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.all_errors: dict = {}
         self.still_running: list = []   # ranks that had not finished the cell (stopped then)
+        self.report: Any = None         # what the rank reported beside its traceback (an out-of-memory report)
         super().__init__(f"rank {rank} (pid {pid}) raised {exc_type}: {message}")
 
     def _render_traceback_(self):
@@ -57,6 +59,8 @@ class WorkerError(RuntimeError):
         head = f"WorkerError: rank {self.rank} (pid {self.pid}) raised {self.exc_type}"
         lines = [head, ""]
         lines += self.remote_traceback.rstrip("\n").splitlines() or [f"{self.exc_type}: {self.message}"]
+        if hasattr(self.report, "lines"):
+            lines += ["", *self.report.lines()]
         if self.still_running:
             # a collective that timed out names the rank that waited, not the one that never came
             ranks = ", ".join(map(str, self.still_running))

@@ -23,6 +23,7 @@ import time
 from ..cell.compile import register_source
 from ..cell.main_module import main_is_cell
 from ..cell.placement_workers import bind_placement
+from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings
 from ..procs.compile_settings import apply_compile_settings
 from ..procs.loaders import ShardedBatchSampler, shard_loader
@@ -361,7 +362,8 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     handle = register_optimizer_step_post_hook(on_step)
     ctx.send({"kind": "started", "t": t_start})
     try:
-        with main_is_cell(ns), _counting_backwards(stats):   # (classes pickle as __main__.X: torch.save(model))
+        with main_is_cell(ns), _counting_backwards(stats), \
+                reporting_out_of_memory(ns, ctx.rank, ctx.world_size):   # (classes pickle as __main__.X)
             exec(body, ns)
             value = eval(last_expr, ns) if last_expr is not None else None
         if device.type == "cuda":

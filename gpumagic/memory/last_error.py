@@ -220,7 +220,16 @@ def frame_label(frame, shell=None) -> str:
     line = frame.f_lineno
     if where is not None:
         return f"{where}, line {line}, in {code.co_name}"
+    if _is_cell_file(code.co_filename):
+        # a cell this process did not compile (a rank's): written as a traceback does, for the
+        # kernel to name it `Cell In[n]` (gpumagic.procs.failures.relabel)
+        return f'File "{code.co_filename}", line {line}, in {code.co_name}'
     return f"{_short_path(code.co_filename)}:{line}, in {code.co_name}"
+
+
+def _is_cell_file(filename: str) -> bool:
+    from ..cell.compile import is_cell
+    return is_cell(filename)
 
 
 def _cell_name(filename: str, shell) -> str | None:

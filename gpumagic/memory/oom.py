@@ -12,13 +12,13 @@ the error, its frames or their tensors stays alive through it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 
-from ..devices import discovery as devices
 from ..display import fmt_bytes
 from . import last_error
 from .storages import Collector
@@ -26,7 +26,8 @@ from .variables import VarMemory, _torch, exclusive_bytes, variable_memory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_out_of_memory", "oom_device", "requested_bytes", "FrameHolding", "OomReport", "oom_report"]
+__all__ = ["is_out_of_memory", "oom_device", "requested_bytes", "FrameHolding", "OomReport", "oom_report",
+           "rank_oom_report", "reporting_out_of_memory"]
 
 MOST_VARIABLES = 5
 MOST_FRAMES = 8
@@ -90,8 +91,8 @@ def oom_device(error: BaseException) -> str:
         return f"cuda:{gpu.group(1)}"
     if "mps" in lower:
         return "mps"
-    cuda = devices.torch_cuda_initialized()
     torch = _torch()
+    cuda = torch is not None and torch.cuda.is_initialized()
     oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     if any(m in lower for m in _GPU_MESSAGES) or (cuda and oom_type is not None and isinstance(oom, oom_type)):
         return f"cuda:{torch.cuda.current_device() if cuda else 0}"
@@ -132,6 +133,12 @@ class OomReport:
     error_alone: int = 0
     freeable: tuple[str, int] | None = None   # the variable whose `del` frees most, and how much
     advice: list[str] = field(default_factory=list)
+    rank: int | None = None                   # a rank's report (%%dataparallel, %%sharedtrain)
+    batches: list[str] = field(default_factory=list)   # its loaders' per-rank batch sizes
+
+    def relabel(self, label) -> None:
+        """Name the frames as the kernel numbers its cells (``label``: text -> text), in place."""
+        self.frames = [FrameHolding(label(f.label), f.locals) for f in self.frames]
 
     @property
     def unused_reserved(self) -> int | None:
@@ -148,11 +155,12 @@ class OomReport:
                                                          for n, b, s in f.locals]} for f in self.frames],
                 "error_alone": self.error_alone,
                 "freeable": None if self.freeable is None else {"name": self.freeable[0], "bytes": self.freeable[1]},
-                "advice": list(self.advice)}
+                "advice": list(self.advice), "rank": self.rank, "batches": list(self.batches)}
 
     def lines(self) -> list[str]:
         asked = f": asked for {fmt_bytes(self.requested)}" if self.requested else ""
-        lines = [f"Out of memory on {self.device}{f' ({self.name})' if self.name else ''}{asked}"]
+        who = f"Rank {self.rank} ran out of memory" if self.rank is not None else "Out of memory"
+        lines = [f"{who} on {self.device}{f' ({self.name})' if self.name else ''}{asked}"]
         if self.total is not None and self.device == "cpu":
             lines.append(f"  machine: {fmt_bytes(self.total)} total, {fmt_bytes(self.free)} available; "
                          f"this kernel {fmt_bytes(self.kernel)}")
@@ -164,7 +172,10 @@ class OomReport:
                          f"({fmt_bytes(self.unused_reserved)} reserved but unused)")
         if self.variables:
             names = ", ".join(f"{v.name} {fmt_bytes(v.nbytes)}" for v in self.variables)
-            lines.append(f"  notebook variables on {self.device}: {names}")
+            where = "the rank's variables" if self.rank is not None else "notebook variables"
+            lines.append(f"  {where} on {self.device}: {names}")
+        if self.batches:
+            lines.append(f"  per-rank batch size: {'; '.join(self.batches)}")
         if self.frames:
             alone = f" (only the error holds {fmt_bytes(self.error_alone)} of it)" if self.error_alone else ""
             lines.append(f"  held by the failing frames{alone}:")
@@ -191,12 +202,14 @@ class OomReport:
         return self.text()
 
 
-def oom_report(error: BaseException, user_ns: dict, hidden=(), holders=(), shell=None) -> OomReport:
-    """The report for out-of-memory ``error`` (kept by the shell as the last error, or given alone)."""
+def oom_report(error: BaseException, user_ns: dict, hidden=(), holders=(), shell=None,
+               on_rank: bool = False) -> OomReport:
+    """The report for out-of-memory ``error`` (kept by the shell as the last error, or given alone);
+    ``on_rank``: made in a worker process, from its cell's namespace ``user_ns``."""
     torch = _torch()
     device = oom_device(error)
     report = OomReport(device=device, requested=requested_bytes(error))
-    _device_figures(report, torch)
+    _device_figures(report, torch, on_rank)
     if torch is None:
         return report
     held = variable_memory(user_ns, hidden=hidden, device=device, holders=holders)
@@ -216,8 +229,19 @@ def _skip_ids(user_ns: dict, holders) -> frozenset[int]:
     return frozenset(id(o) for o in (user_ns, history, *holders) if o is not None)
 
 
-def _device_figures(report: OomReport, torch) -> None:
-    """Total, free, this kernel and the others; torch's allocator figures on a GPU it set up."""
+def _device_figures(report: OomReport, torch, on_rank: bool = False) -> None:
+    """Total, free, this kernel and the others; torch's allocator figures on a GPU it set up.
+
+    ``on_rank``: in a worker, which imports no IPython (the kernel's device discovery does): a GPU's
+    figures come from torch, whose context there already exists."""
+    if on_rank and report.device.startswith("cuda:") and torch is not None and torch.cuda.is_initialized():
+        index = int(report.device.split(":")[1])
+        report.free, report.total = (int(v) for v in torch.cuda.mem_get_info(index))
+        report.name = torch.cuda.get_device_name(index)
+        report.allocated = int(torch.cuda.memory_allocated(index))
+        report.reserved = int(torch.cuda.memory_reserved(index))
+        return
+    from ..devices import discovery as devices
     from ..devices import memory
     if report.device == "cpu":
         row = memory.device_memory("cpu")
@@ -306,3 +330,53 @@ def _advice(report: OomReport) -> list[str]:
     if report.others and gpu:
         advice.append(f"other processes use {fmt_bytes(report.others)} of this device")
     return advice
+
+
+def rank_oom_report(error: BaseException, ns: dict, rank: int, world: int) -> OomReport:
+    """The report for a rank's out-of-memory ``error``: its device, what it held (the cell's variables
+    on the rank and the failing frames' locals) and its loaders' per-rank batch sizes."""
+    report = oom_report(error, ns, on_rank=True)
+    report.rank = rank
+    report.batches = per_rank_batches(ns, world)
+    # On a rank, the advice is the kernel's to give: the cell re-runs from the notebook.
+    report.advice = [a for a in report.advice if "--rescue" not in a and "`del " not in a]
+    if report.batches:
+        report.advice.append("a smaller batch per rank needs less: a smaller batch_size in the notebook's "
+                             "DataLoader, or more ranks")
+    return report
+
+
+def per_rank_batches(ns: dict, world: int) -> list[str]:
+    """``train_loader 32 (a batch of 128 over 4 ranks)`` for each DataLoader in the rank's namespace."""
+    data = sys.modules.get("torch.utils.data")
+    loader_type = getattr(data, "DataLoader", None)
+    out = []
+    for name, value in list(ns.items()):
+        if loader_type is None or not isinstance(value, loader_type) or name.startswith("_"):
+            continue
+        sampler = getattr(value, "batch_sampler", None)
+        size = getattr(sampler, "batch_size", None) or value.batch_size
+        if size is None:
+            continue
+        ranks = getattr(sampler, "world_size", 0)
+        if getattr(sampler, "split", None) == "batch" and ranks > 1:
+            share = -(-size // ranks)
+            out.append(f"{name} {share} (a batch of {size} over {ranks} ranks)")
+        else:
+            out.append(f"{name} {size}" + (f" (each of {world} ranks)" if world > 1 else ""))
+    return out
+
+
+@contextlib.contextmanager
+def reporting_out_of_memory(ns: dict, rank: int, world: int):
+    """Around a cell on a rank: an out-of-memory error leaves with its report attached
+    (``error.gpumagic_report``), made while its frames still hold what they held."""
+    try:
+        yield
+    except BaseException as exc:
+        if is_out_of_memory(exc):
+            try:
+                exc.gpumagic_report = rank_oom_report(exc, ns, rank, world)   # type: ignore[attr-defined]
+            except Exception:  # the error itself still reaches the kernel
+                logger.warning("rank %d: the out-of-memory report could not be made", rank, exc_info=True)
+        raise

@@ -43,8 +43,11 @@ def exception_info(rank: int, exc: BaseException) -> dict:
     """
     te = traceback.TracebackException.from_exception(exc)
     _trim(te)
+    # A report the task attached while the frames were alive (an out-of-memory error's: see
+    # gpumagic.memory.oom): plain data, shown under the worker's traceback.
+    report = getattr(exc, "gpumagic_report", None)
     return {"rank": rank, "pid": os.getpid(), "exc_type": type(exc).__name__, "message": relabel(_text(exc)),
-            "traceback": relabel("".join(te.format()))}
+            "traceback": relabel("".join(te.format())), "report": report}
 
 
 def _text(exc: BaseException) -> str:
@@ -154,6 +157,10 @@ def primary_error(errors: dict, still_running=()):
     e = infos[0]
     cls = WorkerDied if e.get("died") else WorkerError
     err = cls(e["rank"], e.get("pid"), e["exc_type"], e["message"], e.get("traceback", ""))
+    report = e.get("report")
+    if hasattr(report, "relabel"):
+        report.relabel(relabel)
+    err.report = report
     err.all_errors = errors
     # (where the shown error is one a rank suffered from another, such as a timed-out collective: a rank
     # that waited on a rank which raised is no lead)

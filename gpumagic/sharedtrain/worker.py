@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
+from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings
 from ..procs.compile_settings import apply_compile_settings
 from ..procs.display_relay import relay_in
@@ -272,7 +273,9 @@ def train(ctx, meta: dict, data) -> None:
     hook = register_optimizer_step_post_hook(channel.optimizer_step)
     before = snapshot(ns, meta.get("watched") or [])
     try:
-        with main_is_cell(ns):   # the notebook's classes pickle as __main__.X (torch.save(model, PATH))
+        # the notebook's classes pickle as __main__.X (torch.save(model, PATH)); an out-of-memory error
+        # leaves with this worker's report
+        with main_is_cell(ns), reporting_out_of_memory(ns, rank, world):
             exec(code, ns)
         if on_gpu:
             torch.cuda.synchronize()
