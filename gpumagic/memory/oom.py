@@ -165,8 +165,9 @@ class OomReport:
             lines.append(f"  machine: {fmt_bytes(self.total)} total, {fmt_bytes(self.free)} available; "
                          f"this kernel {fmt_bytes(self.kernel)}")
         elif self.total is not None:
-            lines.append(f"  device: {fmt_bytes(self.total)} total, {fmt_bytes(self.free)} free; "
-                         f"this kernel {fmt_bytes(self.kernel)}, other processes {fmt_bytes(self.others)}")
+            known = f"; this kernel {fmt_bytes(self.kernel)}, other processes {fmt_bytes(self.others)}" \
+                if self.kernel is not None else ""
+            lines.append(f"  device: {fmt_bytes(self.total)} total, {fmt_bytes(self.free)} free{known}")
         if self.allocated is not None:
             lines.append(f"  torch: {fmt_bytes(self.allocated)} allocated, {fmt_bytes(self.reserved)} reserved "
                          f"({fmt_bytes(self.unused_reserved)} reserved but unused)")
@@ -293,8 +294,14 @@ def _frame_holdings(torch, error, device: str, notebook: set, skip: frozenset[in
     return holdings[-MOST_FRAMES:], sum(sizes[k] for k in alone)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _shells_own(filename: str) -> bool:
-    """A frame of IPython's or ipykernel's own (``run_code``): it holds the cell's result, not its memory."""
+    """A frame of IPython's, ipykernel's or gpumagic's own (``run_code``, a rank's loop): it holds the
+    cell's result or what was shipped, not what the cell made."""
+    if filename.startswith(_PACKAGE):
+        return True
     for name in ("IPython", "ipykernel"):
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)

@@ -74,8 +74,10 @@ class RescueReport:
         for device in sorted(d for d in self.after if not d.endswith("reserved")):
             freed = self.freed(device)
             what = "resident" if device == "cpu" else "allocated"
+            change = "" if not freed else f" (freed {fmt_bytes(freed)})" if freed > 0 else \
+                f" (+{fmt_bytes(-freed)}: what was moved there)"
             lines.append(f"{device}: {what} {fmt_bytes(self.before[device])} -> {fmt_bytes(self.after[device])}"
-                         + (f" (freed {fmt_bytes(freed)})" if freed else ""))
+                         + change)
         return "\n".join([*lines, *self.notes])
 
     def _repr_pretty_(self, p, cycle):
