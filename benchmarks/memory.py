@@ -10,7 +10,10 @@ Measures, through a real IPython shell with gpumagic loaded:
   AdamW after a step; a function that holds half the GPU's memory in
   activations and asks for as much again; then ``%gpumem --rescue``: the
   allocated bytes over the baseline (target: at most 2 MiB), the bytes moved and
-  the GB/s, and whether the function re-run at half the size succeeds.
+  the GB/s, and whether the function re-run at half the size succeeds;
+* on a GPU, ``%gpumem --park`` and ``--unpark`` of a model and its AdamW state
+  against the pinned host<->device bandwidth measured in the same run (target:
+  the copies at 80 % of it or more).
 
 Prints a table and appends it to ``benchmarks/RESULTS.md`` with the date, the
 machine and the command. Run from the repository root::
@@ -91,6 +94,49 @@ def rescue_floor(shell) -> list[list[str]]:
                                                              else "FAILED"]]
 
 
+def pinned_bandwidth(torch, nbytes: int = 4 << 30, repeat: int = 3) -> tuple[float, float]:
+    """(device-to-host, host-to-device) GB/s of one large copy between pinned memory and cuda:0."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for src, dst in ((dev, host), (host, dev)):
+        times = []
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rates.append(nbytes / statistics.median(times) / 1e9)
+    del host, dev
+    torch.cuda.empty_cache()
+    torch._C._host_emptyCache()
+    return rates[0], rates[1]
+
+
+def park_floor(shell) -> list[list[str]]:
+    """Park and unpark a model with its AdamW state; rows of (measurement, value)."""
+    import torch
+    d2h, h2d = pinned_bandwidth(torch)
+    setup = ("park_model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(24)]).cuda()\n"
+             "park_opt = torch.optim.AdamW(park_model.parameters())\n"
+             "park_model(torch.randn(8, 4096, device='cuda')).sum().backward(); park_opt.step()\n")
+    assert shell.run_cell(setup).success
+    parked = shell.run_line_magic("gpumem", "cuda:0 --park --json")
+    left = torch.cuda.memory_reserved()
+    back = shell.run_line_magic("gpumem", "--unpark --json")
+    shell.run_cell("del park_model, park_opt")
+    rows = [["pinned bandwidth, device to host / host to device", f"{d2h:.1f} / {h2d:.1f} GB/s"]]
+    for name, report, peak in (("park", parked, d2h), ("unpark", back, h2d)):
+        moved = sum(report["moved"].values())
+        rate = (report["rate"] or 0) / 1e9
+        rows.append([f"--{name}: copies", f"{fmt_bytes(moved)} at {rate:.1f} GB/s ({100 * rate / peak:.0f} % of "
+                     f"pinned; floor 80 %), {report['copy_seconds']:.2f} s"])
+        rows.append([f"--{name}: in all", f"{report['seconds']:.2f} s"])
+    rows.append(["torch reserved on cuda:0 while parked", fmt_bytes(left)])
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", type=int, default=200, help="cells timed per case")
@@ -109,6 +155,8 @@ def main(argv=None) -> None:
     shell.run_line_magic("gpumem", "--cells")
     if gpus:
         rows += rescue_floor(shell)
+        shell.run_line_magic("gpumem", "--free")
+        rows += park_floor(shell)
     print(text_table(rows, ["measurement", "value"]))
     if not args.no_record:
         record("memory.py", argv, gpus, f"{args.cells} cells per case, {args.variables} variables",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from gpumagic.memory import moving
@@ -82,3 +83,36 @@ def test_skip_keys_leave_the_notebooks_storages_alone():
     ptr = storage_ptr(mine)
     moving.move(torch, groups, to="cpu")
     assert storage_ptr(mine) == ptr and storage_ptr(theirs) != ptr
+
+
+def test_an_interrupt_leaves_nothing_half_moved(monkeypatch):
+    import os
+    import signal
+    tensors = [torch.full((64,), float(i)) for i in range(4)]
+    views = [t[:8] for t in tensors]
+    ptrs = [storage_ptr(t) for t in tensors]
+    groups, _ = moving.gather(torch, [tensors, views])
+    bytes_of = moving._bytes_of
+    calls = []
+
+    def interrupted_copy(*args):
+        calls.append(1)
+        if len(calls) == 3:                       # Ctrl-C while the copies are being made
+            raise KeyboardInterrupt
+        return bytes_of(*args)
+    monkeypatch.setattr(moving, "_bytes_of", interrupted_copy)
+    with pytest.raises(KeyboardInterrupt):
+        moving.move(torch, groups, to="cpu")
+    assert [storage_ptr(t) for t in tensors] == ptrs   # nothing was pointed at a copy
+    monkeypatch.setattr(moving, "_bytes_of", bytes_of)
+    point = moving._point
+
+    def signalled_point(*args):                     # Ctrl-C while tensors are being pointed at copies
+        os.kill(os.getpid(), signal.SIGINT)
+        return point(*args)
+    monkeypatch.setattr(moving, "_point", signalled_point)
+    with pytest.raises(KeyboardInterrupt):
+        moving.move(torch, groups, to="cpu")
+    assert all(storage_ptr(t) != p for t, p in zip(tensors, ptrs))   # every one of them moved
+    assert all(storage_ptr(v) == storage_ptr(t) for v, t in zip(views, tensors))
+    assert [t[0].item() for t in tensors] == [0.0, 1.0, 2.0, 3.0]

@@ -11,7 +11,7 @@ from .. import display
 from ..errors import UsageError, usage_error
 from .args import parse
 
-_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells")
+_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells", "--park", "--unpark")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
 MAX_INTERVAL = 3600.0  # an hour: gauges that slow show nothing live (and past TIMEOUT_MAX the thread died)
 _INTERVAL_RANGE = f"must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL:.0f}"
@@ -141,6 +141,10 @@ class MemoryMagics(Magics):
                    "where %%debug still shows them, and release torch's caches")
     @argument("--drop", action="store_true",
               help="with --rescue: let go of what the last error holds instead of moving it")
+    @argument("--park", action="store_true",
+              help="move every tensor the notebook holds on DEVICE (default: every GPU) to pinned host memory, "
+                   "in place, and release the GPU: for another job to use it; the same objects stay")
+    @argument("--unpark", action="store_true", help="bring what --park moved back to the GPUs it came from")
     @argument("--cells", action="store_true",
               help="a ledger after each cell: per device, before -> after and the cell's peak, the variables that "
                    "grew, and re-runs that keep growing (a leak); again to turn it off")
@@ -168,6 +172,8 @@ class MemoryMagics(Magics):
             %gpumem --free --history   # also Out[...] entries that hold tensors
             %gpumem --rescue           # after an out-of-memory error: its GPU tensors to the CPU
             %gpumem --cells            # a memory ledger after each cell (again: off)
+            %gpumem --park             # the notebook's GPU tensors to pinned host memory, the GPU free
+            %gpumem --unpark           # and back: the same objects
             held = %gpumem --vars --json   # the same as plain data; shows nothing
         """
         from ..devices import memory
@@ -206,7 +212,23 @@ class MemoryMagics(Magics):
             return None
         if args.rescue:
             return _report(self.shell, _rescue(self.shell, device, args.drop), args.json)
+        if args.park or args.unpark:
+            return _report(self.shell, _park(self.shell, device, args.unpark), args.json)
         return _report(self.shell, memory.snapshot(device, gpus, hung), args.json)
+
+
+def _park(shell, device: str | None, back: bool):
+    """``--park`` (a GPU, or every GPU) and ``--unpark`` (everything parked)."""
+    from ..memory import park
+    if back:
+        if device is not None:
+            raise usage_error("--unpark brings everything parked back where it came from; it takes no device",
+                              ["%gpumem --unpark"])
+        return park.unpark(shell, shell.user_ns, hidden=shell.user_ns_hidden, holders=(shell,))
+    if device is not None and not device.startswith("cuda:"):
+        raise usage_error(f"--park moves tensors off a GPU, and {device} is none",
+                          ["%gpumem --park", "%gpumem cuda:N --park"])
+    return park.park(shell, shell.user_ns, hidden=shell.user_ns_hidden, holders=(shell,), device=device)
 
 
 def _rescue(shell, device: str | None, drop: bool):

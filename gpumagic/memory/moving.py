@@ -18,10 +18,14 @@ copies the other buffer out.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .storages import Collector
 
@@ -51,6 +55,9 @@ class MoveResult:
     saved: int = 0
     stayed: list[tuple[str, int, str]] = field(default_factory=list)   # (device, bytes, why)
     seconds: float = 0.0
+    alloc_seconds: float = 0.0  # allocating the copies (pinned host memory is slow to allocate)
+    copy_seconds: float = 0.0   # the copies alone, until every device was done
+    placed: dict[tuple, tuple] = field(default_factory=dict)   # old storage key -> new (device, data_ptr)
 
     @property
     def moved_bytes(self) -> int:
@@ -59,7 +66,7 @@ class MoveResult:
     @property
     def rate(self) -> float | None:
         """Bytes per second over the copies (None where nothing was copied)."""
-        return self.moved_bytes / self.seconds if self.seconds > 0 and self.moved_bytes else None
+        return self.moved_bytes / self.copy_seconds if self.copy_seconds > 0 and self.moved_bytes else None
 
 
 class _Gatherer(Collector):
@@ -138,40 +145,111 @@ def gather(torch, roots: Iterable, skip_keys=frozenset(), skip_ids=frozenset(), 
     return kept, gatherer.unmovable
 
 
-def move(torch, groups: dict[tuple, StorageGroup], to: str = "cpu", pinned: bool = False) -> MoveResult:
-    """Copy each storage in ``groups`` to ``to`` once and point its tensors and saved tensors there.
+def move(torch, groups: dict[tuple, StorageGroup], to: str | Callable[[StorageGroup], str] = "cpu",
+         pinned: bool = False, repack_saved: bool = True) -> MoveResult:
+    """Copy each storage in ``groups`` to ``to`` (a device, or the device for each group) once and
+    point its tensors (and, with ``repack_saved``, its saved tensors) there.
 
     ``pinned``: the copies live in pinned (page-locked) host memory, which moves back to a GPU at
     full speed; otherwise pageable memory, filled through two pinned buffers.
+
+    Every copy is made and waited for before any tensor is pointed at one, and the pointing runs
+    with interrupts held back: an interrupt leaves either nothing moved (the copies are dropped) or
+    everything. Where a destination has no room (a GPU another process filled), the groups that did
+    not fit stay, named, and the others move.
     """
     result = MoveResult()
-    stager = _Stager(torch) if to == "cpu" and not pinned else None
+    target = to if callable(to) else (lambda _group: to)
     start = time.perf_counter()
+    planned = []
     for group in sorted(groups.values(), key=lambda g: -g.nbytes):
-        why = group.unmovable or _refusal(group, to)
+        why = group.unmovable or _refusal(group, repack_saved)
+        if why is None:
+            dest, why = _destination(torch, group, target(group), pinned)
+            if why is None:
+                planned.append((group, dest))
         if why is not None:
             result.stayed.append((group.device, group.nbytes, why))
-            continue
-        views = [(t, _geometry(t)) for t in group.tensors]
-        saved = [(s, _geometry(d)) for s, d in group.saved]
-        source = _bytes_of(torch, group.tensors[0] if group.tensors else group.saved[0][1])
-        copy = _copy(torch, source, to, pinned, stager)
-        del source
-        for t, geometry in views:
-            t.data = _view(torch, copy, t.dtype, geometry)
-        result.saved += _repack(torch, saved, group, copy)
-        result.tensors += len(views)
-        result.moved[group.device] = result.moved.get(group.device, 0) + group.nbytes
-    for device in {g.device for g in groups.values() if g.device.startswith("cuda")}:
-        torch.cuda.synchronize(device)
+    result.alloc_seconds = time.perf_counter() - start
+    copies = _copy_all(torch, planned, stager=None if pinned else _Stager(torch))
+    result.copy_seconds = time.perf_counter() - start - result.alloc_seconds
+    with interrupts_held():
+        for group, copy in copies:
+            _point(torch, group, copy, result, repack_saved)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _refusal(group: StorageGroup, to: str) -> str | None:
+def _destination(torch, group: StorageGroup, to: str, pinned: bool) -> tuple[Any, str | None]:
+    """Where ``group``'s copy goes, allocated: ``(tensor, None)``; ``(None, None)`` where the stager
+    fills pageable memory itself; ``(None, why)`` where ``to`` has no room."""
+    source_on_gpu = group.device.startswith("cuda")
+    if to == "cpu" and source_on_gpu and not pinned:
+        return None, None
+    try:
+        if to == "cpu":
+            return torch.empty(group.nbytes, dtype=torch.uint8, pin_memory=pinned and source_on_gpu), None
+        return torch.empty(group.nbytes, dtype=torch.uint8, device=to), None
+    except torch.OutOfMemoryError:
+        logger.debug("no room on %s for %d bytes", to, group.nbytes, exc_info=True)
+        return None, f"{to} has no room for it now"
+
+
+def _copy_all(torch, planned: list, stager) -> list:
+    """Each group's storage copied into its destination; waits until every device is done."""
+    copies = []
+    devices = set()
+    for group, dest in planned:
+        source = _bytes_of(torch, group.tensors[0] if group.tensors else group.saved[0][1])
+        if dest is None:
+            dest = stager.to_pageable(source)
+        else:
+            dest.copy_(source, non_blocking=dest.is_pinned() or source.is_pinned())
+        devices |= {str(t.device) for t in (source, dest) if t.device.type == "cuda"}
+        copies.append((group, dest))
+        del source
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return copies
+
+
+def _point(torch, group: StorageGroup, copy, result: MoveResult, repack_saved: bool) -> None:
+    """Point every tensor of ``group`` (and its saved tensors) at ``copy``."""
+    views = [(t, _geometry(t)) for t in group.tensors]
+    saved = [(s, _geometry(d)) for s, d in group.saved] if repack_saved else []
+    for t, geometry in views:
+        t.data = _view(torch, copy, t.dtype, geometry)
+    result.saved += _repack(torch, saved, group, copy)
+    result.tensors += len(views)
+    result.moved[group.device] = result.moved.get(group.device, 0) + group.nbytes
+    result.placed[group.key] = (str(copy.device), copy.untyped_storage().data_ptr())
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold back Ctrl-C (SIGINT) for the duration; one that came is raised at the end.
+
+    Only in the main thread, where Python delivers signals; elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
+
+
+def _refusal(group: StorageGroup, repack_saved: bool) -> str | None:
     # A copy onto the same device is a copy all the same (a fresh storage): callers choose what moves.
     if not group.tensors and not group.saved:
         return "no tensor of it was reached"
+    if not group.tensors and not repack_saved:
+        return "saved for backward by an autograd graph in flight"
     return None
 
 
@@ -206,17 +284,6 @@ def _repack(torch, saved: list, group: StorageGroup, copy) -> int:
             continue
         done += 1
     return done
-
-
-def _copy(torch, source, to: str, pinned: bool, stager):
-    """``source`` (flat uint8) copied to ``to``, waited for."""
-    if stager is not None and source.device.type == "cuda":
-        return stager.to_pageable(source)
-    if to == "cpu":
-        dest = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pinned and source.device.type == "cuda")
-        dest.copy_(source, non_blocking=dest.is_pinned())
-        return dest
-    return source.to(to, non_blocking=source.is_pinned())
 
 
 class _Stager:
