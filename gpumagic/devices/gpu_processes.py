@@ -74,6 +74,15 @@ class DeviceProcesses:
     def cells(self) -> list[list[str]]:
         return [[str(p.pid), fmt_bytes(p.used), p.who.label] for p in self.processes]
 
+    def holders(self, top: int = 4) -> str:
+        """Who else holds this GPU, in a line: ``"b.ipynb 20.0 GiB · orphan pid 4242 5.0 GiB · nobody 1.0 GiB"``
+        (this kernel left out: its gauge shows it already)."""
+        others = [p for p in self.processes if p.who.kind is not Kind.THIS_KERNEL]
+        words = [f"{_holder(p)} {fmt_bytes(p.used)}" for p in others[:top]]
+        if len(others) > top:
+            words.append(f"+{len(others) - top} more")
+        return " · ".join(words)
+
 
 @dataclass
 class WhoReport:
@@ -134,6 +143,20 @@ class WhoReport:
         return self.text()
 
 
+def _holder(proc: GpuProcess) -> str:
+    """A process in a few words, for a gauge."""
+    who = proc.who
+    if who.kind is Kind.KERNEL:
+        return who.notebook.rsplit("/", 1)[-1] if who.notebook else f"kernel {(who.kernel_id or '?')[:8]}"
+    if who.kind is Kind.ORPHAN:
+        return f"orphan pid {proc.pid}"
+    if who.kind is Kind.OTHER_USER:
+        return who.user or "another user"
+    if who.kind is Kind.UNKNOWN:
+        return f"pid {proc.pid}"
+    return who.label if len(who.label) <= 32 else who.label[:29] + "..."
+
+
 def read_processes(gpus) -> dict[str, DeviceProcesses]:
     """NVML's used/total and ``{pid: bytes}`` per GPU, processes not named yet (``who`` empty)."""
     nv = nvml.lib()
@@ -157,11 +180,13 @@ def read_processes(gpus) -> dict[str, DeviceProcesses]:
     return rows
 
 
-def who(device: str | None = None, gpus=None, timeout: float | None = None, max_age: float = 0.0) -> WhoReport:
+def who(device: str | None = None, gpus=None, timeout: float | None = None, max_age: float = 0.0,
+        in_thread: bool = True) -> WhoReport:
     """Every process on ``device`` (``"cuda:N"``; None: every GPU), named; see :mod:`.process_names`.
 
     ``timeout``: seconds the Jupyter servers have to answer (all at once); ``max_age``: seconds
-    their answers may be reused (the gauges refresh every few seconds).
+    their answers may be reused (the gauges refresh every few seconds). ``in_thread=False`` reads
+    NVML here, not in a bounded reading of its own (the gauges' thread, which is one already).
     """
     started = time.monotonic()
     notes: list[str] = []
@@ -169,7 +194,9 @@ def who(device: str | None = None, gpus=None, timeout: float | None = None, max_
         gpus = discovery.visible_gpus()
     chosen = [g for g in gpus if device is None or g.device == device]
     try:
-        rows = nvml.bounded(read_processes, chosen, what="listing GPU processes") if chosen else {}
+        read = (lambda: nvml.bounded(read_processes, chosen, what="listing GPU processes")) if in_thread \
+            else (lambda: read_processes(chosen))
+        rows = read() if chosen else {}
     except nvml.NvmlUnavailable as exc:   # a wedged driver (NvmlTimeout) included: its message says so
         rows, notes = {}, [str(exc)]
     pids = [p.pid for row in rows.values() for p in row.processes]
