@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -170,13 +171,19 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-def other_users_process(started: Started, argv=("sleep", "600")) -> tuple[int, str]:
-    """A process of another user: started as ``nobody`` where this runs as root, else init (pid 1)."""
+def other_users_process(started: Started, argv=("sleep", "600"), ready=None) -> tuple[int, str]:
+    """A process of another user: ``argv`` run as ``nobody`` where this runs as root, else init (pid 1).
+
+    ``ready``: a condition on its pid to wait for (it holds its GPU memory, say).
+    """
     if os.geteuid() != 0:
         return 1, psutil.Process(1).username()
+    env = {**os.environ, "HOME": "/tmp"}   # (root's home is not nobody's to write caches in)
     proc = started.popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
-                         cwd="/")
+                         cwd="/", env=env)
     wait_until(lambda: psutil.Process(proc.pid).uids().real == NOBODY, what="the process to become nobody's")
+    if ready is not None:
+        wait_until(lambda: proc.poll() is None and ready(proc.pid), 300, "another user's process to be ready")
     return proc.pid, psutil.Process(proc.pid).username()
 
 
@@ -211,7 +218,8 @@ class JupyterServerProcess:
         spec.parent.mkdir(parents=True, exist_ok=True)
         spec.write_text(json.dumps({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                                     "display_name": "Python 3", "language": "python",
-                                    "env": {"PYTHONPATH": str(ROOT), **self.kernel_env}}))
+                                    "env": {"PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [
+                                        os.environ.get("PYTHONPATH")])]), **self.kernel_env}}))
         env = dict(os.environ)
         env.update({"JUPYTER_PATH": str(self.home / "jupyter-path"), "JUPYTER_RUNTIME_DIR": str(self.runtime),
                     "JUPYTER_CONFIG_DIR": str(self.home / "config"), "JUPYTER_DATA_DIR": str(self.home / "data"),
@@ -311,3 +319,54 @@ class JupyterServerProcess:
             self.proc.wait(30)
         except Exception:  # noqa: BLE001 - a server that does not answer is ended by pid with the rest
             self.proc.kill()
+
+
+# --- the floors of %gpumem --who and --reclaim: two notebooks' kernels, an orphaned worker, another user
+
+@dataclass
+class Floors:
+    """What :func:`floors` started: ``kernels`` maps notebook paths to ``(kernel id, pid, GiB held)``."""
+    server: JupyterServerProcess
+    kernels: dict
+    orphan: int
+    dead_kernel: int
+    other: int
+    other_user: str
+
+
+_HOLD = """
+import sys, time, torch
+x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def floors(started: Started, home: Path, on_gpu: bool, kernels=(("team/a.ipynb", 10), ("b.ipynb", 20)),
+           orphan_gib: int = 5, other_gib: int = 1) -> Floors:
+    """Two kernels under a real Jupyter server (holding 10 and 20 GiB), an orphaned gpumagic worker
+    (5 GiB), another user's process (1 GiB). ``on_gpu=False``: the same processes, holding nothing (a
+    fake NVML says what they hold)."""
+    server = JupyterServerProcess(started, home / "jupyter").start()
+    held = {}
+    for notebook, gib in kernels:
+        kid, pid = server.start_kernel(notebook)
+        if on_gpu:
+            server.execute(kid, f"import torch\nx = torch.empty({gib} * 2**30, dtype=torch.uint8, device='cuda')\n"
+                                "torch.cuda.synchronize()")
+        held[notebook] = (kid, pid, gib)
+    orphan, dead = orphan_worker(started, home, rank=0, hold_bytes=orphan_gib * 2**30 if on_gpu else 0)
+    if on_gpu:
+        other, user = other_users_process(started, (sys.executable, "-c", _HOLD, str(other_gib * 2**30)),
+                                          ready=lambda pid: _on_gpu(pid))
+    else:
+        other, user = other_users_process(started)
+    return Floors(server, held, orphan, dead, other, user)
+
+
+def _on_gpu(pid: int) -> bool:
+    """Whether NVML lists ``pid`` on a GPU (read here, with no CUDA context)."""
+    from gpumagic.devices import visible_gpus
+    from gpumagic.devices.memory import listed_processes
+    return any(pid in (listed_processes(g.handle) or {}) for g in visible_gpus() if g.handle is not None)
