@@ -2,8 +2,9 @@
 
 What the gauges' history line draws beside memory. NVML averages a GPU's
 utilisation over its own sample period (1/6 s to 1 s), and a reading costs
-tens of microseconds, several memory readings' worth: the monitor reads it at
-most once a second (:data:`EVERY`). Nothing here initialises CUDA.
+tens of microseconds, several memory readings' worth: the monitor reads it
+every :data:`EVERY` seconds (twice per 5 s step of the line), not at every
+tick, so that a tick costs what it did before. Nothing here initialises CUDA.
 
 In a notebook::
 
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["reader", "gpu_utilization", "CpuLoad", "EVERY"]
 
-EVERY = 1.0   # seconds between utilisation readings of one device
+EVERY = 2.5   # seconds between utilisation readings of one device: two per step of the history line
 
 
 def gpu_utilization(handle) -> float | None:

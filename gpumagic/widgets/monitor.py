@@ -8,7 +8,7 @@ already initialised CUDA. Gauges send nothing when their displayed value has
 not changed.
 
 The same thread keeps each device's last minutes (:mod:`.history`: memory at
-every tick, utilisation at most once a second) and redraws a gauge's history
+every tick, utilisation every 2.5 s) and redraws a gauge's history
 line (:mod:`.sparkline`) only when it changes as drawn, so a tick sends each
 widget at most one message. Every :data:`SPLIT_EVERY` seconds, far slower than
 the ticks, it also names who holds each GPU (``%gpumem --who``'s naming) on the
@@ -156,8 +156,8 @@ class Monitor:
         return changed
 
     def _record(self, gauge: MemoryGauge, fraction: float | None) -> None:
-        """Add this tick's memory (and, once a second, utilisation) to the device's history; redraw its
-        line only where it changed as drawn."""
+        """Add this tick's memory (and, every :data:`.utilization.EVERY` s, utilisation) to the device's
+        history; redraw its line only where it changed as drawn."""
         now = self.clock()
         history = self.histories[gauge.device]
         read, last = self._busy[gauge.device]
