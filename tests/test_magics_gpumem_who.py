@@ -11,9 +11,8 @@ from IPython.utils.capture import capture_output
 from gpumagic.devices import jupyter_servers
 from gpumagic.procs import marks
 from tests.conftest import run_cell
-from tests.fake_nvml import four_gpu_machine, installed
+from tests.fake_nvml import LiveNvml, four_gpu_machine, installed
 from tests.sharing_helpers import Started, alive, live_worker, orphan_worker
-from tests.test_memory_reclaim import LiveNvml
 
 GiB = 2**30
 

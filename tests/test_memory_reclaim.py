@@ -6,14 +6,13 @@ import dataclasses
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from gpumagic.devices import jupyter_servers, process_names
 from gpumagic.memory.reclaim import reclaim
 from gpumagic.procs import marks
-from tests.fake_nvml import FakeNvml, four_gpu_machine, installed
+from tests.fake_nvml import LiveNvml, four_gpu_machine, installed
 from tests.sharing_helpers import (
     Started,
     alive,
@@ -25,24 +24,6 @@ from tests.sharing_helpers import (
 )
 
 GiB = 2**30
-
-
-class LiveNvml(FakeNvml):
-    """The fake NVML, listing only processes still running, and counting their memory in the GPU's used
-    memory (``used`` is the rest: the driver's and what no process listed holds), as NVML does."""
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        self.calls += 1
-        return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in h["processes"] if _running(pid)]
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        self.calls += 1
-        used = h["used"] + sum(b for pid, b in h["processes"] if _running(pid))
-        return SimpleNamespace(total=h["total"], used=used, free=h["total"] - used)
-
-
-def _running(pid: int) -> bool:
-    return pid == os.getpid() or alive(pid)
 
 
 @pytest.fixture
