@@ -179,8 +179,7 @@ def other_users_process(started: Started, argv=("sleep", "600"), ready=None) -> 
     if os.geteuid() != 0:
         return 1, psutil.Process(1).username()
     env = {**os.environ, "HOME": "/tmp"}   # (root's home is not nobody's to write caches in)
-    proc = started.popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
-                         cwd="/", env=env)
+    proc = started.popen(list(argv), cwd="/", env=env, user=NOBODY, group=NOBODY, extra_groups=[])
     wait_until(lambda: psutil.Process(proc.pid).uids().real == NOBODY, what="the process to become nobody's")
     if ready is not None:
         wait_until(lambda: proc.poll() is None and ready(proc.pid), 300, "another user's process to be ready")

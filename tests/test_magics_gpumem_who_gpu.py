@@ -5,7 +5,7 @@ gpumagic worker holding 5 GiB; one process of another user (``nobody``). ``--who
 within 2 s, and what it lists sums within 2 % of NVML's used memory; ``--reclaim`` frees the orphan's
 5 GiB within 5 s and touches nothing else. This process never makes a CUDA context meanwhile.
 
-Needs root (another user's process is started with ``setpriv``) and jupyter_server, ipykernel and
+Needs root (another user's process is started as ``nobody``) and jupyter_server, ipykernel and
 jupyter_client (wheels: ``bash ../shared/gpu/prepare.sh jupyter_server``).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ GiB = 2**30
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory):
     if os.geteuid() != 0:
-        pytest.skip("another user's process is started with setpriv, which needs root")
+        pytest.skip("another user's process is started as nobody, which needs root")
     pytest.importorskip("jupyter_server")
     home = tmp_path_factory.mktemp("floors")
     saved = os.environ.get(marks.DIR_ENV)
