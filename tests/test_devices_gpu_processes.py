@@ -150,6 +150,19 @@ def test_kernels_under_a_real_jupyter_server_are_named_with_their_notebook(machi
     assert report.as_dict()["devices"]["cuda:1"]["processes"][0]["notebook"] == "work/analysis.ipynb"
 
 
+def test_a_process_of_a_kernel_its_server_runs_as_another_process_is_an_orphan(machine, started, server):
+    # What a kernel that died and was restarted by its server leaves: a child forked from the old one,
+    # naming the same connection file, taken over by init.
+    srv, kid, kernel, _ = server
+    left = detached(started, [sys.executable, "-c", "import time; time.sleep(600)", "-f",
+                              str(srv.connection_file(kid))])
+    machine.gpus[0]["processes"] = [(kernel, 10 * GiB), (left, 3 * GiB)]
+    named = {p.pid: p.who for p in who()["cuda:0"].processes}
+    assert named[kernel].kind is Kind.KERNEL
+    assert named[left].kind is Kind.ORPHAN and named[left].notebook == "work/analysis.ipynb"
+    assert named[left].label == f"orphan: a child of kernel {kid[:8]}, whose server runs that kernel as pid {kernel}"
+
+
 def test_a_child_left_by_a_kernel_its_server_shut_down_is_an_orphan(machine, started, tmp_path):
     srv = JupyterServerProcess(started, tmp_path / "jupyter").start()
     kid, kernel = srv.start_kernel("b.ipynb")
