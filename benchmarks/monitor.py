@@ -4,7 +4,11 @@ Measures, per device:
 
 * the cost of one gauge update in microseconds: NVML's memory query, NVML's
   process list, a full reading, a gauge update that changes the display, one
-  that does not (nothing is sent), and one monitor tick;
+  that does not (nothing is sent), and one monitor tick (with its history);
+* what the history line and the split by process add outside the ticks that
+  only read memory: a utilisation reading (every 2.5 s), a redraw of the line
+  (when it changes as drawn: about once a step of 5 s), naming who holds the
+  GPUs (every 10 s), and all of it amortised over the ticks of a second;
 * the GPU memory created by ``--seconds`` of monitoring at the default rate
   (target: 0 bytes; NVML used before/after, and whether NVML lists this
   process), against ``torch.cuda.mem_get_info`` in a fresh subprocess, which
@@ -35,6 +39,7 @@ from _common import ROOT, append_results, command, machine  # also puts the chec
 from gpumagic import devices
 from gpumagic.devices import memory, nvml
 from gpumagic.display import fmt_bytes, text_table
+from gpumagic.widgets.monitor import DEFAULT_INTERVAL
 
 GiB = 2**30
 
@@ -73,10 +78,45 @@ def update_costs(targets: list, repeat: int) -> list[list[str]]:
         rows.append(["gauge update, unchanged (nothing sent)", device,
                      f"{median_us(lambda: gauge.show(10 * GiB, 100 * GiB, 'kernel 1.0 GiB'), repeat):.1f} us"])
         gauge.close()
-        mon = Monitor([target])
-        rows.append(["monitor tick (reading + gauge)", device, f"{median_us(mon.tick, repeat):.1f} us"])
+        mon = Monitor([target], split_every=0)
+        tick = median_us(mon.tick, repeat)
+        rows.append(["monitor tick (reading + gauge)", device, f"{tick:.1f} us"])
+        rows += history_costs(mon, device, tick, repeat)
         mon.stop()
     return rows
+
+
+def history_costs(mon, device: str, tick: float, repeat: int) -> list[list[str]]:
+    """What the history adds beyond a tick's median: utilisation every 2.5 s, a redraw once a step."""
+    from gpumagic.devices import utilization
+    from gpumagic.widgets.history import History
+    from gpumagic.widgets.sparkline import sparkline
+    busy = median_us(utilization.reader(mon.targets[0]), max(repeat // 10, 20))
+    history, t = History(), [0.0]
+
+    def redraw():
+        t[0] += history.step   # a new step each time: the line changes and is drawn again
+        history.add(t[0], 0.5, 0.5)
+        mon.gauges[device].show_history(sparkline(*history.series(t[0]), title="x"))
+    drawn = median_us(redraw, max(repeat // 10, 20))
+    per_tick = tick + (busy * DEFAULT_INTERVAL / utilization.EVERY) + drawn * DEFAULT_INTERVAL / history.step
+    return [[f"utilisation reading (every {utilization.EVERY:g} s)", device, f"{busy:.1f} us"],
+            ["history line redraw (when it changes: about once a 5 s step)", device, f"{drawn:.1f} us"],
+            [f"monitor tick amortised at {1 / DEFAULT_INTERVAL:.0f} a second (with both)", device,
+             f"{per_tick:.1f} us"]]
+
+
+def split_cost(gpus, repeat: int) -> list[list[str]]:
+    """Naming who holds the GPUs, as the gauges do every SPLIT_EVERY seconds (Jupyter answers cached)."""
+    from gpumagic.devices.gpu_processes import who
+    from gpumagic.widgets.monitor import SPLIT_EVERY, SPLIT_MAX_AGE
+    if not gpus:
+        return []
+    named = median_us(lambda: who(gpus=gpus, max_age=SPLIT_MAX_AGE, in_thread=False), max(repeat // 100, 10))
+    processes = sum(len(row.processes) for row in who(gpus=gpus, in_thread=False).devices)
+    per_tick = named * DEFAULT_INTERVAL / SPLIT_EVERY / len(gpus)
+    return [[f"who holds the GPUs ({processes} processes), every {SPLIT_EVERY:g} s", "all", f"{named / 1000:.2f} ms"],
+            [f"... amortised per tick per GPU at {1 / DEFAULT_INTERVAL:.0f} a second", "all", f"{per_tick:.1f} us"]]
 
 
 def nvml_view(gpus) -> dict:
@@ -164,6 +204,7 @@ def main(argv=None) -> None:
     gpus = devices.visible_gpus()
     header = ["measurement", "device", "value"]
     rows = update_costs(["cpu", *gpus], args.repeat)
+    rows += split_cost(gpus, args.repeat)
     rows += monitoring_footprint(gpus, args.seconds)
     for g in gpus:
         try:

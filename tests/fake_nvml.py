@@ -141,6 +141,29 @@ class FakeNvml:
         return []
 
 
+class LiveNvml(FakeNvml):
+    """The fake NVML, listing only the processes still running,
+    and counting their memory in the GPU's used memory (``used`` is the rest: the driver's), as NVML does."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        self.calls += 1
+        return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in h["processes"] if _running(pid)]
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        self.calls += 1
+        used = h["used"] + sum(b for pid, b in h["processes"] if _running(pid))
+        return SimpleNamespace(total=h["total"], used=used, free=h["total"] - used)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie: a dead process (reaped or not) holds no GPU memory."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def four_gpu_machine():
     """Four GPUs whose NVML (PCI) order differs from their UUID order, linked in pairs."""
     return FakeNvml([

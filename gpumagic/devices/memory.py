@@ -24,8 +24,8 @@ from . import nvml
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory", "targets",
-           "torch_allocator"]
+__all__ = ["DeviceMemory", "MemorySnapshot", "snapshot", "device_memory", "gpu_process_memory", "listed_processes",
+           "targets", "torch_allocator"]
 
 
 @dataclass
@@ -142,6 +142,20 @@ def gpu_process_memory(handle, pid: int | None = None) -> tuple[int | None, str 
     so that absence from the list proves nothing.
     """
     pid = os.getpid() if pid is None else pid
+    listed = listed_processes(handle)
+    if listed is None:  # CUDA contexts are compute processes: without that list, unknown
+        return None, "not reported"
+    if pid in listed:
+        used = listed[pid]
+        return (int(used), None) if used is not None else (None, "not reported")
+    if any(not _pid_exists(other) for other in listed):
+        return None, "pid namespace"
+    return 0, None
+
+
+def listed_processes(handle) -> dict[int, int | None] | None:
+    """``{pid: bytes}`` of every process NVML lists on the GPU behind ``handle`` (bytes None where
+    the driver does not say); None where NVML cannot list its compute processes."""
     nv = nvml.lib()
     listed: dict[int, int | None] = {}
     compute_known = False
@@ -160,14 +174,7 @@ def gpu_process_memory(handle, pid: int | None = None) -> tuple[int | None, str 
             known = listed.get(p.pid)
             # A compute+graphics process is listed twice with the same figure.
             listed[p.pid] = used if known is None else max(known, used or 0)
-    if not compute_known:  # CUDA contexts are compute processes: without that list, unknown
-        return None, "not reported"
-    if pid in listed:
-        used = listed[pid]
-        return (int(used), None) if used is not None else (None, "not reported")
-    if any(not _pid_exists(other) for other in listed):
-        return None, "pid namespace"
-    return 0, None
+    return listed if compute_known else None
 
 
 def _pid_exists(pid: int) -> bool:

@@ -11,7 +11,8 @@ from .. import display
 from ..errors import UsageError, usage_error
 from .args import parse
 
-_ACTIONS = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells", "--park", "--unpark")
+_ACTIONS: tuple[str, ...] = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells", "--park", "--unpark",
+                             "--who", "--reclaim")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
 MAX_INTERVAL = 3600.0  # an hour: gauges that slow show nothing live (and past TIMEOUT_MAX the thread died)
 _INTERVAL_RANGE = f"must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL:.0f}"
@@ -117,6 +118,19 @@ def watch(shell, device: str | None, gpus, interval: float, hung: str | None = N
     return mon
 
 
+def gpu_processes(device: str | None, gpus, reclaim: bool, hung: str | None = None):
+    """``--who`` (every process on the GPUs, named) or ``--reclaim`` (end this user's orphans): the report."""
+    if device is not None and not device.startswith("cuda:"):
+        raise usage_error(f"{'--reclaim' if reclaim else '--who'} is about GPU processes; {device} has none",
+                          ["every GPU (no device)", *[g.device for g in gpus]])
+    from ..devices.gpu_processes import who
+    from ..memory.reclaim import reclaim as end_orphans
+    report = end_orphans(device, gpus) if reclaim else who(device, gpus)
+    if hung:
+        report.notes.append(hung)
+    return report
+
+
 @magics_class
 class MemoryMagics(Magics):
 
@@ -129,6 +143,11 @@ class MemoryMagics(Magics):
               help=f"seconds between gauge updates with --watch, {MIN_INTERVAL} to {MAX_INTERVAL:.0f} "
                    "(default 0.25: at most 4 a second)")
     @argument("--stop", action="store_true", help="stop the gauges and close them")
+    @argument("--who", action="store_true",
+              help="every process on the GPUs, with its memory: this kernel, other kernels and their notebooks, "
+                   "workers, orphans, other users' processes")
+    @argument("--reclaim", action="store_true",
+              help="end this user's orphans (workers, DataLoader children whose kernel is gone); report what it freed")
     @argument("--vars", action="store_true",
               help="which notebook variables hold memory on which device, largest first")
     @argument("--free", action="store_true",
@@ -167,6 +186,8 @@ class MemoryMagics(Magics):
             %gpumem cuda:0 --watch     # a live gauge for cuda:0
             %gpumem --watch --interval 1
             %gpumem --stop
+            %gpumem --who              # who holds each GPU: kernels and their notebooks, workers, orphans
+            %gpumem --reclaim          # end this user's orphans; NVML's memory before and after
             %gpumem --vars             # tensors, models, optimizer state by variable
             %gpumem --free             # let go of the last error, gc, empty_cache: what it gave back
             %gpumem --free --history   # also Out[...] entries that hold tensors
@@ -193,6 +214,8 @@ class MemoryMagics(Magics):
             from ..widgets.monitor import DEFAULT_INTERVAL
             watch(self.shell, device, gpus, args.interval or DEFAULT_INTERVAL, hung)
             return None
+        if args.who or args.reclaim:
+            return _report(self.shell, gpu_processes(device, gpus, args.reclaim, hung), args.json)
         if args.vars:
             # The shell holds every variable (user_ns, Out, `_`): through it, `ip = get_ipython()` would list them all.
             report = variables.variable_memory(self.shell.user_ns, hidden=self.shell.user_ns_hidden,

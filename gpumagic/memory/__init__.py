@@ -2,7 +2,8 @@
 
 * :mod:`.variables` -- which notebook variables hold memory (``%gpumem --vars``);
   :mod:`.storages` and :mod:`.autograd_graph` read what an object reaches;
-* :mod:`.free` -- collect garbage, release cached blocks (``%gpumem --free``).
+* :mod:`.free` -- collect garbage, release cached blocks (``%gpumem --free``);
+* :mod:`.reclaim` -- end this user's orphans on the GPUs (``%gpumem --reclaim``).
 
 Nothing here imports torch or initialises CUDA: torch is used only where the
 notebook imported it, and asked only about devices it has already set up.

@@ -42,6 +42,7 @@ from .fd_output import DescriptorOutput
 from .follow_kernel import follow
 from .import_patches import patch_module
 from .loader_workers import fork_from_here
+from .marks import mark_worker, unmark
 from .teardown import die_with_parent, watch_kernel
 from .tqdm_relay import notebook_bars, relay_bars
 
@@ -247,6 +248,8 @@ def _prepare_process(config: WorkerConfig) -> None:
     if config.method == "fork":
         _detach_display()
     fork_from_here()   # DataLoader workers start forked, die with this worker, print through it
+    if not config.remote:   # (an engine's kernel is on another machine)
+        mark_worker(config.rank, config.world_size, config.parent_pid)   # %gpumem --who names it by this
 
 
 def _detach_display() -> None:
@@ -408,4 +411,5 @@ def _leave(conn) -> None:
         conn.close()
     except OSError:
         logger.debug("the pipe was already closed", exc_info=True)
+    unmark()
     os._exit(0)  # skip interpreter teardown: CUDA/NCCL destructors can hang at exit

@@ -1,4 +1,4 @@
-"""A memory gauge: ``[label][bar coloured by fullness][used / total]``.
+"""A memory gauge: ``[label][bar coloured by fullness][history line][used / total, and who holds it]``.
 
 Shaped like tqdm's notebook bar (``HBox([HTML, FloatProgress, HTML])``) with
 ``bar_style`` for state and ``_repr_pretty_`` as the text fallback. A gauge
@@ -42,22 +42,26 @@ class MemoryGauge(HBox):
         g.show(used=40 * 2**30, total=141 * 2**30, detail="this kernel 2.1 GiB")
         g                                  # the bar; print(repr(g)) shows text
 
-    ``sends`` counts the updates that reached the widgets (changed values).
+    ``sends`` counts the updates that reached the widgets (changed values),
+    ``history_sends`` those of the history line beside the bar (:meth:`show_history`).
     """
 
     def __init__(self, device: str, name: str = "", **kwargs):
         label = HTML(f"<b>{html.escape(device)}</b> {html.escape(name)}",
                      layout=Layout(width="16em", overflow="hidden"))
         bar = FloatProgress(min=0.0, max=1.0, value=0.0, bar_style="", layout=Layout(width="30%"))
+        history = HTML("", layout=Layout(width="auto"))
         text = HTML("", layout=Layout(width="auto"))
-        super().__init__(children=[label, bar, text], **kwargs)
+        super().__init__(children=[label, bar, history, text], **kwargs)
         self.device = device
         self.device_name = name
-        self.label, self.bar, self.text = label, bar, text
+        self.label, self.bar, self.history, self.text = label, bar, history, text
         self.used: int | None = None
         self.total: int | None = None
         self.caption = ""
+        self.split = ""
         self.sends = 0
+        self.history_sends = 0
         self._shown: tuple = (None, None, None)
 
     @property
@@ -87,8 +91,29 @@ class MemoryGauge(HBox):
                 self.bar.value = value
                 self.bar.bar_style = style
         if caption != old_caption:
-            self.text.value = html.escape(caption)
+            self._show_text()
         self.sends += 1
+        return True
+
+    def show_split(self, split: str) -> bool:
+        """Show who holds the device (``"kernel 5e1f (b.ipynb) 20.0 GiB · orphan 5.0 GiB"``) under the
+        figures; True when it changed."""
+        if split == self.split:
+            return False
+        self.split = split
+        self._show_text()
+        return True
+
+    def _show_text(self) -> None:
+        split = f"<div class='gpumagic-split'>{html.escape(self.split)}</div>" if self.split else ""
+        self.text.value = html.escape(self.caption) + split
+
+    def show_history(self, svg: str) -> bool:
+        """Show the history line (inline SVG, :mod:`.sparkline`); True when it changed (one message)."""
+        if svg == self.history.value:
+            return False
+        self.history.value = svg
+        self.history_sends += 1
         return True
 
     def text_line(self, width: int = 20) -> str:

@@ -7,6 +7,13 @@ context. Torch's allocator figures are added for devices where the user has
 already initialised CUDA. Gauges send nothing when their displayed value has
 not changed.
 
+The same thread keeps each device's last minutes (:mod:`.history`: memory at
+every tick, utilisation every 2.5 s) and redraws a gauge's history
+line (:mod:`.sparkline`) only when it changes as drawn, so a tick sends each
+widget at most one message. Every :data:`SPLIT_EVERY` seconds, far slower than
+the ticks, it also names who holds each GPU (``%gpumem --who``'s naming) on the
+gauge: that reading costs milliseconds, a tick microseconds.
+
 Only one monitor runs per kernel: :func:`start` replaces the running one (its
 thread is stopped and its gauges closed), :func:`stop` ends it, and
 ``%unload_ext gpumagic`` stops it through :func:`gpumagic.session.register_closer`.
@@ -25,20 +32,26 @@ import time
 from ipywidgets import VBox
 
 from .. import session
-from ..devices import memory, nvml
+from ..devices import memory, nvml, utilization
 from ..display import fmt_bytes
 from .closing import close_tree
 from .gauge import MemoryGauge
+from .history import History
+from .sparkline import sparkline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL", "STOP_TIMEOUT"]
+__all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL", "STOP_TIMEOUT",
+           "SPLIT_EVERY"]
 
 THREAD_NAME = "gpumagic-memory-monitor"
 DEFAULT_INTERVAL = 0.25
 # A reading takes microseconds; one still running after this is hung (a wedged driver) and is
 # left behind rather than hang %gpumem --stop or %unload_ext.
 STOP_TIMEOUT = 2.0
+SPLIT_EVERY = 10.0    # seconds between namings of who holds each GPU (milliseconds each: psutil, Jupyter servers)
+SPLIT_TIMEOUT = 0.5   # seconds the Jupyter servers have to answer then (their answers are kept SPLIT_MAX_AGE s)
+SPLIT_MAX_AGE = 30.0
 _CLOSER = "gpumem-monitor"
 
 _lock = threading.RLock()
@@ -76,18 +89,29 @@ class Monitor:
     :class:`~gpumagic.widgets.gauge.MemoryGauge`. ``ticks`` counts readings,
     ``errors`` keeps the last few reading errors (the thread never dies of one).
     ``stalled`` is the note when the first reading did not return in time.
+    ``histories`` maps device names to their :class:`~gpumagic.widgets.history.History`;
+    ``splits`` counts the namings of who holds the GPUs (every ``split_every`` seconds; 0: never).
     """
 
-    def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True):
+    def __init__(self, targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True,
+                 split_every: float = SPLIT_EVERY):
         _check_interval(interval)
         self.targets = list(targets)
         self.interval = float(interval)
         self.processes = processes
+        self.split_every = float(split_every)
         self.gauges: dict[str, MemoryGauge] = {}
+        self.histories: dict[str, History] = {}
+        self._busy: dict[str, tuple] = {}   # device -> (its utilisation reader, when it was last read)
         for target in self.targets:
             name = "CPU (machine)" if target == "cpu" else "Apple MPS" if target == "mps" else target.name
             device = target if isinstance(target, str) else target.device
             self.gauges[device] = MemoryGauge(device, name)
+            self.histories[device] = History()
+            self._busy[device] = (utilization.reader(target), float("-inf"))
+        self.splits = 0
+        self._next_split = 0.0
+        self.clock = time.monotonic   # what the history lines are timed by
         self.box = GaugeBox(list(self.gauges.values()))
         self.ticks = 0
         self.errors: list[str] = []
@@ -127,7 +151,50 @@ class Monitor:
                 if self.closed:  # stopped while this reading hung: its gauges are no longer ours to update
                     return changed
                 changed += gauge.show(mem.used, mem.total, _detail(mem))
+                self._record(gauge, mem.fraction)
             self.ticks += 1
+        return changed
+
+    def _record(self, gauge: MemoryGauge, fraction: float | None) -> None:
+        """Add this tick's memory (and, every :data:`.utilization.EVERY` s, utilisation) to the device's
+        history; redraw its line only where it changed as drawn."""
+        now = self.clock()
+        history = self.histories[gauge.device]
+        read, last = self._busy[gauge.device]
+        busy = None
+        if now - last >= utilization.EVERY:
+            self._busy[gauge.device] = (read, now)
+            try:
+                busy = read()
+            except Exception:  # the line goes on with memory alone
+                logger.debug("reading %s's utilisation failed", gauge.device, exc_info=True)
+        if history.add(now, fraction, busy):
+            memory_line, busy_line = history.series(now)
+            peak = history.peak()
+            title = (f"{gauge.device}, last {history.window / 60:g} min: memory (blue)"
+                     + (f", peak {100 * peak:.0f}%" if peak is not None else "") + "; utilisation (orange)")
+            gauge.show_history(sparkline(memory_line, busy_line, title=title))
+
+    def refresh_split(self) -> int:
+        """Name who holds each GPU (``%gpumem --who``) on its gauge; returns how many gauges changed."""
+        from ..devices.gpu_processes import who
+        self._next_split = time.monotonic() + self.split_every
+        gpus = [t for t in self.targets if not isinstance(t, str)]
+        if not gpus:
+            return 0
+        try:
+            # In this thread: it is the bounded reading already (a hung driver stalls it, not the kernel).
+            report = who(gpus=gpus, timeout=SPLIT_TIMEOUT, max_age=SPLIT_MAX_AGE, in_thread=False)
+        except Exception:  # the gauges go on without it
+            logger.debug("naming the GPUs' processes failed; the gauges show no split", exc_info=True)
+            return 0
+        changed = 0
+        with self._tick_lock:
+            if self.closed:
+                return 0
+            for row in report.devices:
+                changed += self.gauges[row.device].show_split(row.holders())
+            self.splits += 1
         return changed
 
     def _run(self, first: threading.Event) -> None:
@@ -135,9 +202,15 @@ class Monitor:
             self.tick()   # the gauges show figures before the first interval passes
         finally:
             first.set()
+        self._split_due()
         # Waiting on the event, not sleeping, makes stop() take effect at once.
         while not self._stop.wait(self.interval):
             self.tick()
+            self._split_due()
+
+    def _split_due(self) -> None:
+        if self.split_every > 0 and time.monotonic() >= self._next_split and not self._stop.is_set():
+            self.refresh_split()
 
     def start(self) -> Monitor:
         """Start the thread; returns once its first reading is shown, or after
@@ -233,7 +306,8 @@ def current() -> Monitor | None:
     return _current
 
 
-def start(targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True) -> Monitor:
+def start(targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = True,
+          split_every: float = SPLIT_EVERY) -> Monitor:
     """Replace any running monitor with one for ``targets``; returns it, started.
 
     In a notebook (what ``%gpumem --watch`` does)::
@@ -246,7 +320,7 @@ def start(targets: list, interval: float = DEFAULT_INTERVAL, processes: bool = T
     global _current
     with _lock:
         stop()
-        mon = Monitor(targets, interval, processes)
+        mon = Monitor(targets, interval, processes, split_every)
         mon.start()
         _current = mon
         session.register_closer(_CLOSER, stop)

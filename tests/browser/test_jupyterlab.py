@@ -9,7 +9,8 @@ what is on the screen:
 * the device picker is drawn, lists ``cpu``, and choosing a device in it
   changes the kernel's current device (a cell typed afterwards prints it);
 * the memory gauges are drawn, and the kernel's figure on the CPU gauge rises
-  while a cell holds a large tensor and falls when it is deleted.
+  while a cell holds a large tensor and falls when it is deleted; beside the
+  bar, the history line gains a point every step.
 
 Screenshots of each step go to ``artifacts/browser/``. The test skips only when
 Chromium, JupyterLab or Playwright are missing (``.ci/browser-deps.sh``
@@ -303,6 +304,26 @@ def _wait_kernel_bytes(gauge, accept, timeout: float = 90.0) -> tuple[float, str
     raise AssertionError(f"the CPU gauge never showed the expected kernel memory; last caption: {caption!r}")
 
 
+# The points of a gauge's memory line (a lone point is drawn as a dot), and its tooltip.
+_HISTORY_JS = """g => { const s = g.querySelector('svg.gpumagic-history'); if (!s) return null;
+    const n = [...s.querySelectorAll('.gpumagic-history-memory')].reduce((k, e) => k + (e.tagName === 'circle'
+        ? 1 : e.getAttribute('points').trim().split(/\\s+/).length), 0);
+    const t = s.querySelector('title'); return [n, t ? t.textContent : ''];
+}"""
+
+
+def _wait_history_points(gauge, accept, timeout: float = 90.0) -> tuple[int, str]:
+    """Until the gauge's history line holds points ``accept`` takes (a step is 5 s); ``(points, tooltip)``."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        seen = gauge.evaluate(_HISTORY_JS)
+        if seen is not None and accept(seen[0]):
+            return seen[0], seen[1]
+        time.sleep(0.5)
+    raise AssertionError(f"the gauge's history line never showed the expected points; last: {seen!r}")
+
+
 # --------------------------------------------------------------------------- the test
 
 def test_tour_in_jupyterlab(lab, browser):
@@ -376,6 +397,13 @@ def _tour(lab, page):
     _add_cell_and_run(page, "del big")
     shrunk, caption_shrunk = _wait_kernel_bytes(gauge, lambda v: v <= grown - 0.5 * BIG_MIB * 2**20)
     print(f"CPU gauge: {caption_before!r} -> {caption_grown!r} -> {caption_shrunk!r}")
+
+    # Beside the bar, the device's last minutes: a line of memory (and utilisation) that gains a point a step.
+    points, title = _wait_history_points(gauge, lambda n: n >= 2)
+    assert re.fullmatch(r"cpu, last 5 min: memory \(blue\), peak \d+%; utilisation \(orange\)", title), title
+    gauge.scroll_into_view_if_needed()
+    _shot(page, "04b_gauge_history")
+    print(f"CPU history line: {points} points; {title!r}")
 
     # Stopping the gauges ends their thread; the kernel is still usable afterwards.
     _add_cell_and_run(page, "%gpumem --stop")
