@@ -28,7 +28,7 @@ def mine():
 context = mine()
 
 class LM(nn.Module):
-    def __init__(self, vocab=50304, width=2048, blocks=12):
+    def __init__(self, vocab=50304, width=2048, blocks=26):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Ended", "ReclaimReport", "reclaim"]
 
 _POLL = 0.02   # seconds between looks at whether the orphans are gone
+_SETTLED = 2 << 20   # bytes of change between readings that count as none (NVML's own noise)
 _HEADER = ["pid", "held", "outcome", "what it was"]
 
 
@@ -202,16 +203,31 @@ def _gone(proc) -> bool:
 
 
 def _settled(gpus: list, ended: set[int], settle: float) -> dict[str, int | None]:
-    """NVML's used bytes per GPU once none of ``ended`` is listed any more, or after ``settle`` s."""
+    """NVML's used bytes per GPU once none of ``ended`` is listed any more and the driver has given
+    their memory back (two readings apart no longer falling), or after ``settle`` s.
+
+    A process leaves NVML's lists before the driver has released all of its memory: the first
+    reading without it can still count part of what it held."""
     deadline = time.monotonic() + settle
-    rows = {}
+    last: dict[str, int | None] | None = None
     while True:
         try:
             rows = nvml.bounded(read_processes, gpus, what="reading GPU memory after ending orphans")
         except nvml.NvmlUnavailable:
             logger.debug("NVML did not answer after the orphans ended", exc_info=True)
             return {g.device: None for g in gpus}
-        listed = {p.pid for row in rows.values() for p in row.processes}
-        if not listed & ended or time.monotonic() >= deadline:
-            return {device: row.used for device, row in rows.items()}
+        used = {device: row.used for device, row in rows.items()}
+        if {p.pid for row in rows.values() for p in row.processes} & ended:
+            last = None
+        elif last is not None and not any(_falling(last.get(d), u) for d, u in used.items()):
+            return used
+        else:
+            last = used
+        if time.monotonic() >= deadline:
+            return used
         time.sleep(_POLL * 5)
+
+
+def _falling(before: int | None, now: int | None) -> bool:
+    """Still going down by more than NVML's noise between two readings."""
+    return before is not None and now is not None and before - now > _SETTLED
