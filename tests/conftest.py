@@ -114,3 +114,17 @@ def no_last_error():
     if sys.version_info >= (3, 12):
         sys.last_exc = None
     gc.collect()
+
+
+@pytest.fixture
+def started(tmp_path, monkeypatch):
+    """Processes the test starts (tests/sharing_helpers.Started), ended by pid afterwards; gpumagic's worker
+    marks in a folder of the test's own, and no Jupyter server's answers kept from another test."""
+    from gpumagic.devices import jupyter_servers
+    from gpumagic.procs import marks
+    from tests.sharing_helpers import Started
+    monkeypatch.setenv(marks.DIR_ENV, str(tmp_path / "marks"))
+    jupyter_servers.forget()
+    procs = Started()
+    yield procs
+    procs.end_all()

@@ -37,15 +37,6 @@ def machine(monkeypatch):
     yield from installed(four_gpu_machine(), monkeypatch)
 
 
-@pytest.fixture
-def started(tmp_path, monkeypatch):
-    """Processes the test starts, ended by pid afterwards; worker marks in a folder of the test's own."""
-    monkeypatch.setenv(marks.DIR_ENV, str(tmp_path / "marks"))
-    jupyter_servers.forget()
-    procs = Started()
-    yield procs
-    procs.end_all()
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -8,11 +8,9 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.devices import jupyter_servers
-from gpumagic.procs import marks
 from tests.conftest import run_cell
 from tests.fake_nvml import LiveNvml, four_gpu_machine, installed
-from tests.sharing_helpers import Started, alive, live_worker, orphan_worker
+from tests.sharing_helpers import alive, live_worker, orphan_worker
 
 GiB = 2**30
 
@@ -21,14 +19,6 @@ GiB = 2**30
 def machine(monkeypatch):
     yield from installed(LiveNvml(four_gpu_machine().gpus), monkeypatch)
 
-
-@pytest.fixture
-def started(tmp_path, monkeypatch):
-    monkeypatch.setenv(marks.DIR_ENV, str(tmp_path / "marks"))
-    jupyter_servers.forget()
-    procs = Started()
-    yield procs
-    procs.end_all()
 
 
 @pytest.fixture

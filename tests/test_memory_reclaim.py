@@ -9,12 +9,10 @@ import time
 
 import pytest
 
-from gpumagic.devices import jupyter_servers, process_names
+from gpumagic.devices import process_names
 from gpumagic.memory.reclaim import reclaim
-from gpumagic.procs import marks
 from tests.fake_nvml import LiveNvml, four_gpu_machine, installed
 from tests.sharing_helpers import (
-    Started,
     alive,
     detached,
     live_worker,
@@ -31,14 +29,6 @@ def machine(monkeypatch):
     fake = LiveNvml(four_gpu_machine().gpus)
     yield from installed(fake, monkeypatch)
 
-
-@pytest.fixture
-def started(tmp_path, monkeypatch):
-    monkeypatch.setenv(marks.DIR_ENV, str(tmp_path / "marks"))
-    jupyter_servers.forget()
-    procs = Started()
-    yield procs
-    procs.end_all()
 
 
 def test_reclaim_ends_the_orphans_only_and_reports_what_nvml_freed(machine, started, tmp_path):
