@@ -2,6 +2,7 @@
 wherever IPython keeps it, the output history, and what still holds memory. Bytes are measured."""
 from __future__ import annotations
 
+import gc
 import sys
 import types
 import weakref
@@ -152,7 +153,10 @@ def test_who_holds_names_a_module_cache_and_a_running_frame():
         mod.cache = Holder()
         mod.cache.items = {"w": [torch.zeros(10)]}
         assert who_holds(mod.cache.items["w"][0]) == "gpumagic_test_cache.cache.items.w[0]"
-        found = unnamed_tensors(torch, "cpu", set())
-        assert any(u.holder == "gpumagic_test_cache.cache.items.w[0]" and u.nbytes == 40 for u in found)
+        ours = mod.cache.items["w"][0]
+        known = {("cpu", t.untyped_storage().data_ptr()) for t in gc.get_objects()   # every other storage
+                 if isinstance(t, torch.Tensor) and t is not ours and t.device.type == "cpu"}
+        found = unnamed_tensors(torch, "cpu", known)
+        assert [(u.holder, u.nbytes) for u in found] == [("gpumagic_test_cache.cache.items.w[0]", 40)]
     finally:
         del sys.modules[mod.__name__]
