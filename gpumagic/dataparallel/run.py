@@ -31,6 +31,7 @@ from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.definitions import define_in_notebook
 from ..cell.names import names_deleted
 from ..cell.placement_workers import rewrite_for_cpu_workers
+from ..cell.trees import Flat, room_for
 from ..cell.values import instead_of_sending
 from ..cell.with_targets import quiet_targets
 from ..display import note
@@ -121,6 +122,34 @@ def _unshippable(exc: Unshippable):
                        + ", or run the cell with --strategy dp (in the kernel)")
 
 
+def _read_cell(shell, cell: str, plan: Plan, header: str) -> tuple:
+    """The cell compiled, what it trains and reads (its survey), whether it runs in launch mode, the fsdp
+    blocks, and the tree the ranks run (with its placement helper): ``UsageError`` where it cannot run."""
+    ns = shell.user_ns
+    compiled = compile_cell(shell, cell, header=header)
+    with room_for(compiled.tree):   # (what reads the cell walks its tree recursively: a deep cell needs room)
+        refuse_shell_calls(compiled.tree, "%%dataparallel")
+        used = read_names(compiled.tree, shell)
+        mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
+        launch = mode == "launch"
+        if launch:
+            if plan.strategy == "fsdp":
+                raise usage_error(f"--strategy fsdp shards a hand-written loop's model, but {why}, which distributes "
+                                  "by itself (launch mode): ask it for FSDP (TrainingArguments(fsdp=...), accelerate's "
+                                  "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
+                                  ["%%dataparallel", "%%dataparallel --launch"])
+            check_launch(plan, why)
+        survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used, filename=compiled.filename)
+        blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
+        if launch and not plan.launch:
+            note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
+                 "started, and the cell's own code wraps the model and splits the data")
+        # On CPU ranks, a cell written for .cuda() runs on the CPU (the %%ondevice rewrite).
+        ship_tree, helper = rewrite_for_cpu_workers(compiled.tree, ns) if plan.devices[0] == "cpu" \
+            else (compiled.tree, None)
+    return compiled, survey, launch, blocks, ship_tree, helper
+
+
 def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> CellResult:
     """Run ``cell`` on the pool described by ``plan``; returns a :class:`~.results.CellResult`.
 
@@ -135,26 +164,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         plan, cluster_formed = _on_cluster(plan)
         t_cluster = time.monotonic() - t_begin if cluster_formed else 0.0
     ns = shell.user_ns
-    compiled = compile_cell(shell, cell, header=header)
-    refuse_shell_calls(compiled.tree, "%%dataparallel")
-    used = read_names(compiled.tree, shell)
-    mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
-    launch = mode == "launch"
-    if launch:
-        if plan.strategy == "fsdp":
-            raise usage_error(f"--strategy fsdp shards a hand-written loop's model, but {why}, which distributes "
-                              "by itself (launch mode): ask it for FSDP (TrainingArguments(fsdp=...), accelerate's "
-                              "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
-                              ["%%dataparallel", "%%dataparallel --launch"])
-        check_launch(plan, why)
-    survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used, filename=compiled.filename)
-    blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
-    if launch and not plan.launch:
-        note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
-             "started, and the cell's own code wraps the model and splits the data")
-    # On CPU ranks, a cell written for .cuda() runs on the CPU (the %%ondevice rewrite).
-    ship_tree, helper = rewrite_for_cpu_workers(compiled.tree, ns) if plan.devices[0] == "cpu" \
-        else (compiled.tree, None)
+    compiled, survey, launch, blocks, ship_tree, helper = _read_cell(shell, cell, plan, header)
     if plan.cluster is None:
         from ..procs import pool as poolmod
         local = poolmod.current_pool(POOL_NAME)
@@ -187,7 +197,8 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_packed = time.monotonic()
     notebook = getattr(shell, "kernel", None) is not None
     meta = {
-        "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
+        # (Flat: a deep cell's tree pickles without recursion, and unpickles as the tree)
+        "header": packed.header, "tree": Flat(ship_tree), "filename": compiled.filename, "source": compiled.source,
         "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
         "stateful": survey.stateful, "device_strings": survey.device_strings,
         "return_names": survey.return_names, "filled": survey.filled, "arrays": survey.arrays,
