@@ -32,6 +32,7 @@ from IPython.utils.capture import capture_output
 from gpumagic.dataparallel import cluster_setup as clustermod
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
+from gpumagic.procs.cpus import process_limit
 from tests.cluster_helpers import ROOT, HandCluster, deadline, describe, fake_package, living, wait_gone
 from tests.conftest import run_cell
 from tests.test_magics_dataparallel import SETUP as LOCAL_SETUP
@@ -676,6 +677,11 @@ def test_a_lost_controller_ends_the_cell_in_bounded_time(shell, setup, tmp_path)
     ("cluster start -n 0", "-n 0"),
     ("cluster start -n -2", "-n -2"),
     ("cluster start --engines nonsense -n 2", "--engines nonsense"),
+    # as many local engines as the local pool would start processes: 4 per core, the memory each takes
+    # (one more than that: the count that would have started, had it not been refused)
+    (f"cluster start --engines local -n {process_limit() + 1}", f"-n {process_limit() + 1}: this machine has room for"),
+    (f"cluster start -n {process_limit() + 1}", "--oversubscribe"),
+    ("cluster start --engines slurm -n 2 --oversubscribe", "--oversubscribe is about this machine's cores"),
 ])
 def test_cluster_start_refuses_bad_input_before_starting_anything(shell, line, says):
     before, was = _children(), clustermod.current_cluster()

@@ -217,12 +217,14 @@ def _replace(ranks: ClusterRanks | None) -> None:
             logger.debug("closing the previous cluster's client failed", exc_info=True)
 
 
-def start_cluster(engines: str = "local", n: int | None = None, profile: str | None = None) -> ClusterRanks:
+def start_cluster(engines: str = "local", n: int | None = None, profile: str | None = None,
+                  oversubscribe: bool = False) -> ClusterRanks:
     """Start a cluster (``ipp.Cluster(engines=..., n=...)``) and use it for ``--cluster`` cells."""
     ipp = _ipyparallel()
     if n is not None and n < 1:
         raise usage_error(f"%dataparallel cluster start -n {n}: a cluster needs at least one engine",
                           ["-n 1", "-n 2", "no -n (ipyparallel's default: one engine per core)"])
+    _check_engine_count(engines, n, oversubscribe)
     kwargs: dict = {"engines": engines, "log_level": 40}
     if n:
         kwargs["n"] = n
@@ -250,6 +252,21 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
                             cluster=cluster, owned=True)
     _replace(_started)
     return _started
+
+
+def _check_engine_count(engines: str, n: int | None, oversubscribe: bool) -> None:
+    """Local engines are processes of this machine, as the local pool's ranks are: the same bound, before
+    anything starts (``UsageError`` unless ``oversubscribe``; a note above the cores)."""
+    from ..procs.cpus import check_process_count
+    if engines != "local":
+        if oversubscribe:
+            raise usage_error(f"--oversubscribe is about this machine's cores, and --engines {engines} places its "
+                              "engines elsewhere", ["drop --oversubscribe", "--engines local --oversubscribe"])
+        return
+    crowded = check_process_count(n, oversubscribe, flag="-n") if n is not None else None
+    if crowded:
+        from ..display import note
+        note(crowded)
 
 
 def stop_cluster() -> str:
