@@ -490,3 +490,13 @@ def test_a_cell_deeper_than_python_compiles_is_refused_clearly(shell):
         dp_cell(shell, CPU2, elif_chain(1200, 3, then="out = model(X)\n"))
     assert "the cell nests 1204 levels deep" in str(err.value) and "up to 1000 levels" in str(err.value)
     assert "r" not in shell.user_ns and set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_a_name_bound_to_a_notebook_function_or_class_is_it_and_named_once(shell):
+    # `fn = helper` binds the notebook's own function, as a plain cell does: a value, not also "not brought back"
+    run_cell(shell, SETUP + "def helper(x):\n    return x * 2\nclass Box:\n    pass\n")
+    _, cap = dp_cell(shell, CPU2, "fn = helper\nK = Box\nout = model(X)\n")
+    ns = shell.user_ns
+    assert ns["fn"] is ns["helper"] and ns["K"] is ns["Box"]
+    assert "not brought back" not in cap.stderr, cap.stderr
+    assert "values: fn, K, out" in cap.stderr or "values: K, fn, out" in cap.stderr, cap.stderr
