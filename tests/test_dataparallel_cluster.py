@@ -16,6 +16,7 @@ from __future__ import annotations
 import _thread
 import copy
 import os
+import signal
 import socket
 import sys
 import textwrap
@@ -778,3 +779,87 @@ def test_a_started_cluster_trains_restarts_its_engines_and_stops(shell, setup, _
     with pytest.raises(UsageError, match="none is running"):
         shell.run_cell_magic("dataparallel", "--cluster", "c = model(X).shape[0]\n")
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------- a start that fails or is interrupted; a lost controller
+
+def _cluster_processes(ipython_dir) -> list[int]:
+    """Every process ipyparallel launched for a profile under ``ipython_dir`` (its IPP_PROFILE_DIR), whoever
+    its parent is now: a child of this process, or an orphan."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("IPP_PROFILE_DIR", "").startswith(str(ipython_dir)) and proc.pid != os.getpid():
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return living(found)
+
+
+def _assert_nothing_started(shell, ipython_dir, before: set) -> None:
+    left = wait_gone(_children() - before, timeout=15) + wait_gone(_cluster_processes(ipython_dir), timeout=5)
+    assert left == [], f"left running: {describe(left)}"
+    assert clustermod.current_cluster() is None
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "cluster stop")
+    assert "no cluster in use" in cap.stderr
+
+
+def test_a_start_whose_launcher_fails_stops_what_it_started(shell, _isolated):
+    # --engines mpi without mpiexec: the controller had started; it and its schedulers are stopped, and the
+    # error says what failed, as a UsageError naming the launchers
+    import shutil
+    if shutil.which("mpiexec"):
+        pytest.skip("mpiexec is installed here")
+    clustermod.stop_cluster()
+    before = _children()
+    with pytest.raises(UsageError) as err:
+        shell.run_line_magic("dataparallel", "cluster start --engines mpi -n 2 --profile gpumagic-failing")
+    message = str(err.value)
+    assert "--engines mpi" in message and "mpiexec" in message and "--engines local" in message, message
+    assert "every process it had started was stopped" in message, message
+    _assert_nothing_started(shell, _isolated, before)
+
+
+def test_an_interrupted_start_stops_what_it_started(shell, _isolated):
+    from gpumagic.errors import CellInterrupted
+    clustermod.stop_cluster()
+    before = _children()
+    seen: list[int] = []
+
+    def interrupt_once_engines_start():
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            engines = [pid for pid in living(c.pid for c in psutil.Process().children())
+                       if "ipyparallel.engine" in describe([pid])]
+            if engines:
+                seen.extend(engines)
+                os.kill(os.getpid(), signal.SIGINT)   # a real SIGINT, as the kernel's interrupt sends
+                return
+            time.sleep(0.01)
+    watcher = threading.Thread(target=interrupt_once_engines_start, daemon=True)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt) as err:
+        shell.run_line_magic("dataparallel", "cluster start --engines local -n 2 --profile gpumagic-interrupted")
+    watcher.join()
+    assert seen, "the engines never started"
+    assert isinstance(err.value, CellInterrupted) and "every process it had started was stopped" in str(err.value)
+    _assert_nothing_started(shell, _isolated, before)
+
+
+def test_stop_after_the_controller_died_stops_its_schedulers_too(shell, _isolated):
+    clustermod.stop_cluster()
+    before = _children()
+    with capture_output():
+        shell.run_line_magic("dataparallel", "cluster start --engines local -n 1 --profile gpumagic-lost")
+    started = clustermod.current_cluster()
+    controller = psutil.Process(started.cluster.controller.pid)
+    schedulers = [c.pid for c in controller.children(recursive=True)]
+    assert schedulers, "the controller runs no schedulers"
+    controller.kill()                          # as an OOM kill would
+    controller.wait(10)
+    assert living(schedulers) == schedulers    # orphaned, still running
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "cluster stop")
+    assert "the cluster was stopped" in cap.stderr
+    _assert_nothing_started(shell, _isolated, before)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import subprocess
 import time
+from typing import NoReturn
 
 from ..errors import UsageError, WorkerError, usage_error
 from . import cluster_watch
@@ -27,6 +28,7 @@ __all__ = ["connect", "form", "start_cluster", "stop_cluster", "current_cluster"
 
 _current: ClusterRanks | None = None   # what the last --cluster cell (or cluster start) used
 _started: ClusterRanks | None = None   # the cluster %dataparallel cluster start started
+_starting = None                               # the ipp.Cluster cluster start is starting now
 _watcher: cluster_watch.Watch | None = None   # stops _started if the kernel ends without stopping it
 STARTED = "started"   # --cluster without a value: the cluster %dataparallel cluster start started
 
@@ -238,20 +240,85 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
                            "--engines ssh"]) from None
     stop_cluster()   # (only once the new one's options are known good: a misspelling keeps the running one)
     from .. import session
-    with _leaving_px_alone():
-        client = cluster.start_and_connect_sync()
     session.register_closer("cluster", stop_cluster)   # %unload_ext and exit stop it too
-    global _watcher
-    try:   # ... and a kernel that Jupyter ends before its exit hooks run (cluster_watch)
-        _watcher = cluster_watch.watch(cluster.cluster_file)
-    except (OSError, subprocess.SubprocessError):
-        logger.warning("could not start the watcher that stops the cluster with the kernel", exc_info=True)
-    client.wait_for_engines(n or 1, timeout=600)
-    global _started
+    global _starting, _started
+    _starting = cluster   # (stop_cluster, from an exit hook, stops one that is starting too)
+    _watch(cluster)   # before anything starts: a kernel killed while it starts leaves nothing either
+    client = None
+    try:
+        with _leaving_px_alone():
+            client = cluster.start_and_connect_sync()
+        client.wait_for_engines(n or 1, timeout=600)
+    except BaseException as exc:  # noqa: BLE001 - an interrupt too: whatever started is stopped, then said
+        _abandon(cluster, client, exc, engines)
+    finally:
+        _starting = None
+    assert client is not None   # (_abandon raised otherwise)
     _started = ClusterRanks(client=client, source=f"the cluster started here ({engines}, {len(client.ids)} engines)",
                             cluster=cluster, owned=True)
     _replace(_started)
     return _started
+
+
+def _watch(cluster) -> None:
+    """The watcher that stops ``cluster`` if the kernel ends without stopping it (:mod:`.cluster_watch`)."""
+    global _watcher
+    try:
+        _watcher = cluster_watch.watch(cluster.cluster_file, cluster.cluster_id, str(cluster.profile_dir))
+    except (OSError, subprocess.SubprocessError):
+        logger.warning("could not start the watcher that stops the cluster with the kernel", exc_info=True)
+
+
+def _abandon(cluster, client, exc: BaseException, engines: str) -> NoReturn:
+    """A start that failed or was interrupted: stop what it had started (every process of it on this
+    machine too, recorded by ipyparallel or not), then say so: ``CellInterrupted`` or ``UsageError``."""
+    from ..errors import CellInterrupted
+    from ..procs.teardown import no_interrupts
+    with no_interrupts():   # (a second interrupt must not leave half of it running)
+        _end(cluster, client)
+        _release_watcher()
+    if isinstance(exc, KeyboardInterrupt):
+        _retrieve_interrupted_tasks()
+        raise CellInterrupted("%dataparallel cluster start was interrupted; every process it had started was "
+                              "stopped") from None
+    raise usage_error(f"%dataparallel cluster start --engines {engines}: the cluster did not start "
+                      f"({type(exc).__name__}: {exc}); every process it had started was stopped",
+                      ["--engines local", f"--engines {engines} once its launcher works here (mpiexec, sbatch, "
+                                          "ssh... on the PATH)"]) from None
+
+
+def _retrieve_interrupted_tasks() -> None:
+    """The interrupt ended ipyparallel's start inside its event loop, leaving its asyncio task done with
+    the KeyboardInterrupt unread: asyncio would print "Task exception was never retrieved" and the
+    traceback into some later cell, whenever the task is collected. Read it now."""
+    import asyncio
+    import gc
+    for task in gc.get_objects():   # (by type: isinstance would ask deprecated objects for their __class__)
+        if issubclass(type(task), asyncio.Task) and task.done() and not task.cancelled() \
+                and getattr(task.get_coro(), "__qualname__", "").startswith("Cluster."):
+            task.exception()
+
+
+def _end(cluster, client=None) -> None:
+    """Stop ``cluster`` through ipyparallel (its launchers stop engines on other hosts too), then end
+    what it still runs on this machine: what ipyparallel did not record, a dead controller's schedulers."""
+    from .cluster_procs import end, processes
+    try:
+        if client is not None:
+            client.close()
+        cluster.stop_cluster_sync()
+    except Exception:  # stopping what is already gone; ended below all the same
+        logger.debug("stopping the cluster through ipyparallel failed", exc_info=True)
+    left = end(processes(cluster.cluster_id, str(cluster.profile_dir)))
+    if left:
+        logger.warning("processes of the cluster still running after SIGKILL: %s", left)
+
+
+def _release_watcher() -> None:
+    global _watcher
+    if _watcher is not None:
+        _watcher.release()
+        _watcher = None
 
 
 def _check_engine_count(engines: str, n: int | None, oversubscribe: bool) -> None:
@@ -273,19 +340,14 @@ def stop_cluster() -> str:
     """Stop the cluster started here (its engines and controller) and forget the one in use. Returns
     what was done, for the user ("" where there was neither)."""
     global _started
-    ranks, started = _current, _started
+    ranks, started, starting = _current, _started, _starting
     _started = None
     _replace(None)
     if started is not None:
-        try:
-            started.client.close()
-            started.cluster.stop_cluster_sync()
-        except Exception:  # stopping what is already gone
-            logger.debug("stopping the cluster failed", exc_info=True)
-    global _watcher
-    if _watcher is not None:
-        _watcher.release()
-        _watcher = None
+        _end(started.cluster, started.client)
+    if starting is not None:
+        _end(starting)
+    _release_watcher()
     if started is not None:
         return "the cluster was stopped"
     if ranks is not None:
