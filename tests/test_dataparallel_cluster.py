@@ -553,6 +553,21 @@ def test_a_rank_error_names_rank_and_line_and_the_stuck_rank_is_said_gone(shell,
     assert not problems, "\n".join(problems)
 
 
+def test_a_collective_timeout_names_the_rank_that_never_came(shell, setup, hand, line):
+    # as on the local pool: rank 0's barrier times out; rank 1, still sleeping, is the one to look at
+    ns = setup
+    before = snapshot(ns)
+    started = time.monotonic()
+    with capture_output(), pytest.raises(WorkerError) as err:
+        shell.run_cell_magic("dataparallel", f"{line} --timeout 3",
+                             "import time, torch.distributed as dist\nout = model(X)\n"
+                             "if dist.get_rank() == 1:\n    time.sleep(60)\ndist.barrier()\n")
+    assert err.value.rank == 0 and err.value.still_running == [1], (err.value, err.value.still_running)
+    assert err.value._render_traceback_()[-1].startswith("rank 1 had not finished the cell (stopped now)")
+    assert time.monotonic() - started < 40
+    assert_untouched(ns, before)
+
+
 def test_an_engine_killed_mid_cell_is_a_clear_error(shell, setup, hand, line):
     ns = setup
     cell(shell, line, "a = model(X).shape[0]\n")

@@ -140,7 +140,7 @@ class ClusterRanks:
             if moved >= BIG_TASK_BYTES:
                 gc.collect()
         if errors:
-            raise primary_error(errors)
+            raise primary_error(errors, still_running=pending)   # (ranks a timed-out collective waited on)
         return results
 
     def _forget(self, futures) -> int:
