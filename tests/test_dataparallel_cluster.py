@@ -427,6 +427,48 @@ def test_more_ranks_than_engines_is_refused_and_the_ranks_stay(shell, setup, han
     assert shell.user_ns["b"] == 64
 
 
+# What rank 0's engine listens on while the cell runs (its own sockets: the store's, gloo's).
+LISTENING = """
+import psutil
+listening = sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN})
+out = model(X)
+"""
+
+
+def _listening(pid: int) -> set:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def _outsider_writes(port: int) -> bool:
+    """Whether another local process can connect to ``port`` as a TCPStore client and write a key there."""
+    import datetime
+
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
+        store.set("outsider", "was here")
+        return True
+    except (RuntimeError, ValueError, OSError):   # refused: nothing listens there
+        return False
+
+
+def test_the_rendezvous_store_serves_only_during_a_cell_and_on_loopback_here(shell, setup, hand, line):
+    # every engine is on this machine (GPUMAGIC_HOST only names them apart): the unauthenticated store
+    # listens on loopback, while a cell runs, and is closed once the cell has ended on every rank
+    for _ in range(2):   # (the first cell forms the ranks; the second is a later cell, as most are)
+        cell(shell, line, LISTENING)
+        during = set(shell.user_ns["listening"])
+        assert not [a for a in during if a[0] in ("0.0.0.0", "::")], during   # no socket on every interface
+        ranks = clustermod.current_cluster()
+        address, port = ranks.last_store
+        assert (address, port) == ("127.0.0.1", port) and ("127.0.0.1", port) in during, (ranks.last_store, during)
+        after = _listening(ranks.ranks[0].pid)
+        assert port not in {p for _, p in after} and after <= during, (port, during, after)
+        assert not _outsider_writes(port)
+
+
 def test_launch_mode_cell_forms_its_group_from_master_addr(shell, setup, hand, line):
     ns = setup
     ref_model, ref_opt = reference(ns)                # DistributedSampler's halves of each batch of 16

@@ -465,17 +465,23 @@ def _join(ranks: ClusterRanks) -> None:
              f"other hosts may not reach its rendezvous at {first.address}: start the controller on an address "
              "the other hosts reach (ipcontroller --ip ...)")
     client = ranks.client
-    port = client[first.engine].apply_async(call_engine, "open_store", ranks.world_size, ranks.timeout).get(timeout=120)
+    # Every engine on this host (loopback addresses, or one host name): the store listens on loopback only.
+    here = len(hosts) == 1 or all(r.address.startswith("127.") for r in ranks.ranks)
+    ranks.store_host, ranks.store_address = ("127.0.0.1", "127.0.0.1") if here else ("0.0.0.0", first.address)
+    port = client[first.engine].apply_async(call_engine, "open_store", ranks.world_size, ranks.timeout,
+                                            ranks.store_host).get(timeout=120)
     nodes = sorted(hosts)
     local_world = {h: sum(r.host == h for r in ranks.ranks) for h in hosts}
     joins = [client[r.engine].apply_async(
-        call_engine, "join", r.rank, ranks.world_size, r.local_rank, r.device, ranks.backend, first.address, port,
-        ranks.timeout, {"LOCAL_RANK": str(r.local_rank), "LOCAL_WORLD_SIZE": str(local_world[r.host]),
-                        "GROUP_RANK": str(nodes.index(r.host)), "GROUP_WORLD_SIZE": str(len(nodes))})
+        call_engine, "join", r.rank, ranks.world_size, r.local_rank, r.device, ranks.backend, ranks.store_address,
+        port, ranks.timeout, {"LOCAL_RANK": str(r.local_rank), "LOCAL_WORLD_SIZE": str(local_world[r.host]),
+                              "GROUP_RANK": str(nodes.index(r.host)), "GROUP_WORLD_SIZE": str(len(nodes))})
         for r in ranks.ranks]
     try:
         for r, j in zip(ranks.ranks, joins):
             r.pid = j.get(timeout=ranks.timeout if ranks.timeout < 600 else 600)["pid"]
     except Exception as exc:  # noqa: BLE001 - the engines' own error, said as theirs
-        raise WorkerError(-1, None, type(exc).__name__,
-                          f"the engines could not form the process group at {first.address}:{port}: {exc}") from None
+        ranks.close_store([r.engine for r in ranks.ranks], wait=False)
+        raise WorkerError(-1, None, type(exc).__name__, f"the engines could not form the process group at "
+                          f"{ranks.store_address}:{port}: {exc}") from None
+    ranks.close_store([r.engine for r in ranks.ranks])   # formed: the store closes until a cell needs it
