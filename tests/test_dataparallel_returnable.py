@@ -493,8 +493,13 @@ def test_a_view_comes_back_by_its_storage_not_densely():
 
 
 def test_an_expanded_view_the_cell_binds_comes_back_as_a_view(shell):
-    run_cell(shell, SETUP)
-    _, cap = dp_cell(shell, CPU2, "mask = torch.ones(1).expand(20000, 20000)\nout = model(X)\n")
-    mask = shell.user_ns["mask"]
+    # bound to a name, set on a notebook object, put in a notebook dict or list: each the view it was
+    run_cell(shell, SETUP + "held = {'n': 1, 'model': model}\nrows = []\n")
+    _, cap = dp_cell(shell, CPU2, "mask = torch.ones(1).expand(20000, 20000)\nlog.mask = mask[:2]\n"
+                                  "held['m'] = mask.T\nrows.append(mask)\nout = model(X)\n")
+    ns = shell.user_ns
     assert "not brought back" not in cap.stderr, cap.stderr
-    assert mask.shape == (20000, 20000) and mask.stride() == (0, 0) and mask.untyped_storage().nbytes() == 4
+    for view, shape in [(ns["mask"], (20000, 20000)), (ns["log"].mask, (2, 20000)), (ns["held"]["m"], (20000, 20000)),
+                        (ns["rows"][0], (20000, 20000))]:
+        assert view.shape == shape and view.stride() == (0, 0) and view.untyped_storage().nbytes() == 4
+        assert view[-1, -1].item() == 1.0

@@ -17,7 +17,7 @@ import pickle
 
 import cloudpickle
 
-__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook"]
+__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "smaller_as_view"]
 
 RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, all together
 
@@ -84,6 +84,14 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
+def smaller_as_view(value) -> bool:
+    """Whether ``value`` is a tensor whose storage holds fewer bytes than its elements (an expanded mask):
+    it comes back as a view of a copy of that storage (:func:`pickled_for_notebook`), not densely."""
+    import torch
+    return (type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta
+            and value.untyped_storage().nbytes() < value.numel() * value.element_size())
+
+
 def _on_cpu(t, sink):
     """A copy of ``t`` on the CPU (not a view of the rank's), as small as it can be: a view whose storage
     is smaller than its elements (``torch.ones(1).expand(n, n)``, a mask) as the same view of a copy of
@@ -97,7 +105,7 @@ def _on_cpu(t, sink):
     storage = t.untyped_storage().nbytes()
     if isinstance(sink, _Limited) and min(dense, storage) > sink.left():
         raise sink.too_large()
-    if storage >= dense:
+    if not smaller_as_view(t):
         return t.to("cpu", copy=t.device.type == "cpu")
     own = t.untyped_storage().clone() if t.device.type == "cpu" else t.untyped_storage().cpu()
     return torch.empty(0, dtype=t.dtype).set_(own, t.storage_offset(), t.size(), t.stride())
