@@ -27,7 +27,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.definitions import define_in_notebook
@@ -45,7 +44,7 @@ from ..procs.relays import Relays
 from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
-from ..procs.wire import Unshippable, pack_namespace
+from ..procs.wire import Packed, Unshippable, pack_namespace
 from . import held
 from .detect import choose_mode
 from .fsdp import (
@@ -236,7 +235,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
 @dataclass
 class _Ran:
     """A cell the ranks ran, and its result loaded into the notebook."""
-    packed: Any
+    packed: Packed
     results: list
     started_at: dict
     state: dict
