@@ -16,6 +16,7 @@ from __future__ import annotations
 import _thread
 import copy
 import os
+import signal
 import socket
 import sys
 import textwrap
@@ -32,6 +33,7 @@ from IPython.utils.capture import capture_output
 from gpumagic.dataparallel import cluster_setup as clustermod
 from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerDied, WorkerError
+from gpumagic.procs.cpus import process_limit
 from tests.cluster_helpers import ROOT, HandCluster, deadline, describe, fake_package, living, wait_gone
 from tests.conftest import run_cell
 from tests.test_magics_dataparallel import SETUP as LOCAL_SETUP
@@ -425,6 +427,48 @@ def test_more_ranks_than_engines_is_refused_and_the_ranks_stay(shell, setup, han
     assert shell.user_ns["b"] == 64
 
 
+# What rank 0's engine listens on while the cell runs (its own sockets: the store's, gloo's).
+LISTENING = """
+import psutil
+listening = sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN})
+out = model(X)
+"""
+
+
+def _listening(pid: int) -> set:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def _outsider_writes(port: int) -> bool:
+    """Whether another local process can connect to ``port`` as a TCPStore client and write a key there."""
+    import datetime
+
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
+        store.set("outsider", "was here")
+        return True
+    except (RuntimeError, ValueError, OSError):   # refused: nothing listens there
+        return False
+
+
+def test_the_rendezvous_store_serves_only_during_a_cell_and_on_loopback_here(shell, setup, hand, line):
+    # every engine is on this machine (GPUMAGIC_HOST only names them apart): the unauthenticated store
+    # listens on loopback, while a cell runs, and is closed once the cell has ended on every rank
+    for _ in range(2):   # (the first cell forms the ranks; the second is a later cell, as most are)
+        cell(shell, line, LISTENING)
+        during = set(shell.user_ns["listening"])
+        assert not [a for a in during if a[0] in ("0.0.0.0", "::")], during   # no socket on every interface
+        ranks = clustermod.current_cluster()
+        address, port = ranks.last_store
+        assert (address, port) == ("127.0.0.1", port) and ("127.0.0.1", port) in during, (ranks.last_store, during)
+        after = _listening(ranks.ranks[0].pid)
+        assert port not in {p for _, p in after} and after <= during, (port, during, after)
+        assert not _outsider_writes(port)
+
+
 def test_launch_mode_cell_forms_its_group_from_master_addr(shell, setup, hand, line):
     ns = setup
     ref_model, ref_opt = reference(ns)                # DistributedSampler's halves of each batch of 16
@@ -549,6 +593,21 @@ def test_a_rank_error_names_rank_and_line_and_the_stuck_rank_is_said_gone(shell,
         problems.append(f"with host-a's engine started again, the next cell failed: {type(exc).__name__}: {exc}")
     problems = [p for p in problems if p]
     assert not problems, "\n".join(problems)
+
+
+def test_a_collective_timeout_names_the_rank_that_never_came(shell, setup, hand, line):
+    # as on the local pool: rank 0's barrier times out; rank 1, still sleeping, is the one to look at
+    ns = setup
+    before = snapshot(ns)
+    started = time.monotonic()
+    with capture_output(), pytest.raises(WorkerError) as err:
+        shell.run_cell_magic("dataparallel", f"{line} --timeout 3",
+                             "import time, torch.distributed as dist\nout = model(X)\n"
+                             "if dist.get_rank() == 1:\n    time.sleep(60)\ndist.barrier()\n")
+    assert err.value.rank == 0 and err.value.still_running == [1], (err.value, err.value.still_running)
+    assert err.value._render_traceback_()[-1].startswith("rank 1 had not finished the cell (stopped now)")
+    assert time.monotonic() - started < 40
+    assert_untouched(ns, before)
 
 
 def test_an_engine_killed_mid_cell_is_a_clear_error(shell, setup, hand, line):
@@ -676,6 +735,11 @@ def test_a_lost_controller_ends_the_cell_in_bounded_time(shell, setup, tmp_path)
     ("cluster start -n 0", "-n 0"),
     ("cluster start -n -2", "-n -2"),
     ("cluster start --engines nonsense -n 2", "--engines nonsense"),
+    # as many local engines as the local pool would start processes: 4 per core, the memory each takes
+    # (one more than that: the count that would have started, had it not been refused)
+    (f"cluster start --engines local -n {process_limit() + 1}", f"-n {process_limit() + 1}: this machine has room for"),
+    (f"cluster start -n {process_limit() + 1}", "--oversubscribe"),
+    ("cluster start --engines slurm -n 2 --oversubscribe", "--oversubscribe is about this machine's cores"),
 ])
 def test_cluster_start_refuses_bad_input_before_starting_anything(shell, line, says):
     before, was = _children(), clustermod.current_cluster()
@@ -772,3 +836,87 @@ def test_a_started_cluster_trains_restarts_its_engines_and_stops(shell, setup, _
     with pytest.raises(UsageError, match="none is running"):
         shell.run_cell_magic("dataparallel", "--cluster", "c = model(X).shape[0]\n")
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------- a start that fails or is interrupted; a lost controller
+
+def _cluster_processes(ipython_dir) -> list[int]:
+    """Every process ipyparallel launched for a profile under ``ipython_dir`` (its IPP_PROFILE_DIR), whoever
+    its parent is now: a child of this process, or an orphan."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("IPP_PROFILE_DIR", "").startswith(str(ipython_dir)) and proc.pid != os.getpid():
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return living(found)
+
+
+def _assert_nothing_started(shell, ipython_dir, before: set) -> None:
+    left = wait_gone(_children() - before, timeout=15) + wait_gone(_cluster_processes(ipython_dir), timeout=5)
+    assert left == [], f"left running: {describe(left)}"
+    assert clustermod.current_cluster() is None
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "cluster stop")
+    assert "no cluster in use" in cap.stderr
+
+
+def test_a_start_whose_launcher_fails_stops_what_it_started(shell, _isolated):
+    # --engines mpi without mpiexec: the controller had started; it and its schedulers are stopped, and the
+    # error says what failed, as a UsageError naming the launchers
+    import shutil
+    if shutil.which("mpiexec"):
+        pytest.skip("mpiexec is installed here")
+    clustermod.stop_cluster()
+    before = _children()
+    with pytest.raises(UsageError) as err:
+        shell.run_line_magic("dataparallel", "cluster start --engines mpi -n 2 --profile gpumagic-failing")
+    message = str(err.value)
+    assert "--engines mpi" in message and "mpiexec" in message and "--engines local" in message, message
+    assert "every process it had started was stopped" in message, message
+    _assert_nothing_started(shell, _isolated, before)
+
+
+def test_an_interrupted_start_stops_what_it_started(shell, _isolated):
+    from gpumagic.errors import CellInterrupted
+    clustermod.stop_cluster()
+    before = _children()
+    seen: list[int] = []
+
+    def interrupt_once_engines_start():
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            engines = [pid for pid in living(c.pid for c in psutil.Process().children())
+                       if "ipyparallel.engine" in describe([pid])]
+            if engines:
+                seen.extend(engines)
+                os.kill(os.getpid(), signal.SIGINT)   # a real SIGINT, as the kernel's interrupt sends
+                return
+            time.sleep(0.01)
+    watcher = threading.Thread(target=interrupt_once_engines_start, daemon=True)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt) as err:
+        shell.run_line_magic("dataparallel", "cluster start --engines local -n 2 --profile gpumagic-interrupted")
+    watcher.join()
+    assert seen, "the engines never started"
+    assert isinstance(err.value, CellInterrupted) and "every process it had started was stopped" in str(err.value)
+    _assert_nothing_started(shell, _isolated, before)
+
+
+def test_stop_after_the_controller_died_stops_its_schedulers_too(shell, _isolated):
+    clustermod.stop_cluster()
+    before = _children()
+    with capture_output():
+        shell.run_line_magic("dataparallel", "cluster start --engines local -n 1 --profile gpumagic-lost")
+    started = clustermod.current_cluster()
+    controller = psutil.Process(started.cluster.controller.pid)
+    schedulers = [c.pid for c in controller.children(recursive=True)]
+    assert schedulers, "the controller runs no schedulers"
+    controller.kill()                          # as an OOM kill would
+    controller.wait(10)
+    assert living(schedulers) == schedulers    # orphaned, still running
+    with capture_output() as cap:
+        shell.run_line_magic("dataparallel", "cluster stop")
+    assert "the cluster was stopped" in cap.stderr
+    _assert_nothing_started(shell, _isolated, before)

@@ -7,6 +7,7 @@ the notebook's model through ipyparallel. Run on the GPU machine:
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -81,6 +82,13 @@ def _train_on_engines(shell, engines: int):
     for a, b in zip(ns["model"].state_dict().values(), ref.state_dict().values()):
         assert torch.allclose(a, b.cpu(), atol=1e-5, rtol=0)
     assert last_result().returned_bytes > 0 and last_result().devices == [f"cuda:{r}" for r in range(engines)]
+    # the rendezvous store closed between cells (NCCL's threads run on meanwhile); a later cell forms a group
+    # of its own through the next cell's store, and NCCL connects it
+    time.sleep(5)
+    dp_cell(shell, "--cluster", "import torch.distributed as dist\n"
+                                "group = dist.new_group(list(range(dist.get_world_size())))\n"
+                                "t = torch.ones(1, device='cuda')\ndist.all_reduce(t, group=group)\ns = t.item()\n")
+    assert ns["s"] == engines
 
 
 def test_one_engine_trains_on_its_gpu_with_nccl_and_the_weights_come_back(shell):

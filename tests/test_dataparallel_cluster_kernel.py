@@ -84,3 +84,48 @@ def test_a_cluster_started_in_the_kernel_ends_with_it(tmp_path, monkeypatch, end
             km.shutdown_kernel(now=True)
         for pid in wait_gone(cluster, timeout=1):
             psutil.Process(pid).kill()
+
+
+def _cluster_processes(ipython_dir) -> list[int]:
+    """Every process ipyparallel launched for a profile under ``ipython_dir``, whoever its parent is now."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("IPP_PROFILE_DIR", "").startswith(str(ipython_dir)):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_a_kernel_killed_while_its_cluster_starts_leaves_nothing(tmp_path, monkeypatch):
+    # killed (as by the OOM killer, or a hard restart) once the engines are starting: the watcher, started
+    # before the cluster, stops the controller, its schedulers and the engines, recorded by ipyparallel or not
+    import signal
+
+    from jupyter_client.manager import start_new_kernel
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    watchers_before = set(_watchers())
+    km, kc = start_new_kernel(kernel_name="python3", cwd=ROOT)
+    seen: set = set()
+    try:
+        _run(kc, "%load_ext gpumagic")
+        kernel = psutil.Process(km.provisioner.pid)
+        kc.execute("%dataparallel cluster start --engines local -n 2")
+        deadline = time.monotonic() + 120
+        while not any("ipyparallel.engine" in describe([p]) for p in seen) and time.monotonic() < deadline:
+            seen |= {c.pid for c in kernel.children(recursive=True)}
+            time.sleep(0.01)
+        assert any("ipyparallel.engine" in describe([p]) for p in seen), "the engines never started"
+        os.kill(kernel.pid, signal.SIGKILL)
+        started = time.monotonic()
+        left = wait_gone(set(_cluster_processes(tmp_path)) | seen, timeout=30)
+        assert left == [], f"after {time.monotonic() - started:.0f} s: {describe(left)}"
+        assert wait_gone(set(_watchers()) - watchers_before, timeout=10) == []
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        for pid in wait_gone(set(_cluster_processes(tmp_path)) | seen, timeout=1):
+            psutil.Process(pid).kill()

@@ -105,6 +105,21 @@ def test_a_changed_global_that_forward_reads_is_seen(shell):
     _assert_weights(ns, ref_model)
 
 
+def test_a_changed_partial_that_forward_reads_is_seen(shell):
+    # a partial compares by what it holds (its func, args and keywords), not by its empty __dict__
+    run_cell(shell, "from functools import partial\nimport torch.nn.functional as F\n"
+                    "act = partial(F.leaky_relu, negative_slope=0.1)\n" + SETUP.format(shuffle=False).replace(
+                        "torch.tanh(self.hidden(x))", "act(self.hidden(x))"))
+    dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    run_cell(shell, "act = partial(F.leaky_relu, negative_slope=0.5)")
+    ns = shell.user_ns
+    ref_model, _, _ = _reference(ns)      # forward reads the notebook's act: slope 0.5
+    _, cap = dp_cell(shell, f"{CPU2} --compile", TRAIN)
+    assert "the compiled model was reused" not in cap.stderr, cap.stderr
+    assert "model: Net's code or a global it reads changed" in cap.stderr, cap.stderr
+    _assert_weights(ns, ref_model)
+
+
 def test_a_changed_model_class_is_compiled_again_with_a_note(shell):
     run_cell(shell, SETUP.format(shuffle=False))
     dp_cell(shell, f"{CPU2} --compile", TRAIN)

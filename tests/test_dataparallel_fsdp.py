@@ -268,6 +268,37 @@ def test_a_rank_error_leaves_the_notebooks_model_and_optimizer_untouched(shell):
     _assert_close_state(ns["model"], ns["opt"], ref_model, ref_opt)
 
 
+def _shared_state(opt) -> list:
+    return [(idx, k) for idx, st in opt.state_dict()["state"].items() for k, v in st.items()
+            if isinstance(v, torch.Tensor) and v.dim() and v.is_shared()]
+
+
+@pytest.mark.parametrize("ending", ["error", "interrupt"])
+def test_a_failed_cell_leaves_the_optimizers_state_in_the_notebooks_own_memory(shell, tmp_path, ending):
+    # The cell moves the optimizer's state into shared memory for the ranks; however it ends, that state is
+    # the notebook's own again (a later %%sharedtrain cell would otherwise take it as shared on purpose)
+    from tests.dataparallel_helpers import interrupt_once_training
+    ns = _setup(shell)
+    dp_cell(shell, FSDP2, TRAIN)
+    opt = ns["opt"]
+    assert _shared_state(opt) == [] and len(opt.state) == len(list(ns["model"].parameters()))
+    before = copy.deepcopy(opt.state_dict())
+    marker = tmp_path / "training"
+    failing = TRAIN + f"open({str(marker)!r}, 'w').close()\n" + (
+        "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('rank one fails')\n"
+        if ending == "error" else "import time\nwhile True:\n    time.sleep(0.05)\n")
+    if ending == "error":
+        with pytest.raises(WorkerError):
+            dp_cell(shell, FSDP2, failing)
+    else:
+        interrupt_once_training(shell, FSDP2, failing, marker)
+    assert _shared_state(opt) == []
+    for idx, st in opt.state_dict()["state"].items():   # and as it was before the cell
+        for k, v in st.items():
+            assert torch.equal(v, before["state"][idx][k]), (idx, k)
+    assert all(p.is_shared() for p in ns["model"].parameters())   # (the model stays in shared memory)
+
+
 def test_autocast_in_the_cell_gathers_weights_in_its_dtype(shell):
     ns = _setup(shell)
     ref = copy.deepcopy(ns["model"])
@@ -310,3 +341,28 @@ def test_an_interrupt_while_the_weights_are_written_back_is_said(shell, capsys):
         _run_on_pool(pool, {}, None, shell, False)
     assert "stopped while rank 0 was writing the trained state into the notebook's tensors" in capsys.readouterr().err
     assert pool.fsdp_records is None      # the next cell ships everything again
+
+
+def test_an_interrupt_while_the_state_moves_into_shared_memory_leaves_none_there(shell, monkeypatch):
+    import ast
+    import types
+
+    from gpumagic.dataparallel import fsdp
+    from gpumagic.procs import bulk
+    ns = _setup(shell)
+    model, opt = ns["model"], ns["opt"]
+    model(ns["X"]).sum().backward()
+    opt.step()                                  # state for every parameter, in the notebook's own memory
+    real, calls = bulk.share_in_place, []
+
+    def share_then_interrupt(tensors):
+        calls.append(1)
+        if len(calls) == 2:   # the optimizer's state moved, then the interrupt
+            raise KeyboardInterrupt
+        return real(tensors)
+    monkeypatch.setattr(bulk, "share_in_place", share_then_interrupt)
+    pool = types.SimpleNamespace(fsdp_records=None)
+    blocks = fsdp.choose_all_blocks({"model": model}, None)
+    with pytest.raises(KeyboardInterrupt):
+        fsdp.prepare_shipment(ast.parse(TRAIN), {"model": model}, {"opt": opt}, pool, blocks, False, ns)
+    assert len(calls) == 2 and _shared_state(opt) == []

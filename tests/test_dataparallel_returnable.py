@@ -471,3 +471,35 @@ def test_datasets_set_on_notebook_objects_come_back_holding_the_notebooks_own():
     state = {"not_returned": []}
     assert _datasets(state, {"dm": {"a": rank_dm.a}}, refs, Room(10)) is None
     assert "larger than the 0 MB a cell brings back" in state["not_returned"][0]
+
+
+def test_a_view_comes_back_by_its_storage_not_densely():
+    import pickle
+    # an expanded mask: 4 bytes of storage, 1.6 GB as dense elements; it comes back as the same view
+    mask = torch.ones(1).expand(20000, 20000)
+    blob = pickled_for_notebook({"mask": mask}, limit=2**20)
+    assert len(blob) < 4096
+    back = pickle.loads(blob)["mask"]
+    assert back.shape == (20000, 20000) and back.stride() == (0, 0)
+    assert back.untyped_storage().nbytes() == 4 and back[19999, 19999].item() == 1.0
+    assert back.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr()   # a copy, not the rank's
+    # a small slice of a large storage comes back as its own elements, not with the whole storage
+    base = torch.arange(1_000_000, dtype=torch.float32)
+    part = pickle.loads(pickled_for_notebook(base[10:20:2], limit=2**20))
+    assert part.tolist() == [10.0, 12.0, 14.0, 16.0, 18.0] and part.untyped_storage().nbytes() == 20
+    # what fits neither way is refused by its size
+    with pytest.raises(NotReturnable, match="larger than the 1 MB a cell brings back"):
+        pickled_for_notebook(base, limit=2**20)
+
+
+def test_an_expanded_view_the_cell_binds_comes_back_as_a_view(shell):
+    # bound to a name, set on a notebook object, put in a notebook dict or list: each the view it was
+    run_cell(shell, SETUP + "held = {'n': 1, 'model': model}\nrows = []\n")
+    _, cap = dp_cell(shell, CPU2, "mask = torch.ones(1).expand(20000, 20000)\nlog.mask = mask[:2]\n"
+                                  "held['m'] = mask.T\nrows.append(mask)\nout = model(X)\n")
+    ns = shell.user_ns
+    assert "not brought back" not in cap.stderr, cap.stderr
+    for view, shape in [(ns["mask"], (20000, 20000)), (ns["log"].mask, (2, 20000)), (ns["held"]["m"], (20000, 20000)),
+                        (ns["rows"][0], (20000, 20000))]:
+        assert view.shape == shape and view.stride() == (0, 0) and view.untyped_storage().nbytes() == 4
+        assert view[-1, -1].item() == 1.0

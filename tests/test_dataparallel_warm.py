@@ -189,3 +189,75 @@ def test_a_model_a_cell_did_not_train_says_so_when_it_is_trained_again_not_first
     warm.retain_only(["bad"])
     after = WarmModels(warm.let_go("the last cell failed"))
     assert after.adopt("model", _ship(model), OPTIONS) == "a cell in between did not train it, which let it go"
+
+
+def test_partials_and_bound_methods_the_forward_reads_compare_by_what_they_hold():
+    """``act = partial(F.leaky_relu, negative_slope=0.1)`` and ``g = Scaler(10.0).apply`` are shipped anew each
+    cell; with other arguments, keywords or another object they are different, whatever their empty ``__dict__``."""
+    import functools
+
+    import torch.nn.functional as F
+
+    class Scaler:   # a local class: shipped by value, as a notebook class is
+        def __init__(self, factor):
+            self.factor = factor
+
+        def apply(self, x):
+            return x * self.factor
+
+    leaky = functools.partial(F.leaky_relu, negative_slope=0.1)
+    assert _same(_ship(leaky), _ship(leaky))   # the same partial shipped again: nothing to recompile
+    assert not _same(_ship(leaky), _ship(functools.partial(F.leaky_relu, negative_slope=0.2)))
+    assert not _same(_ship(leaky), _ship(functools.partial(F.elu, negative_slope=0.1)))
+    assert not _same(_ship(functools.partial(torch.clamp, min=0.0)), _ship(functools.partial(torch.clamp, 1.0)))
+    scaler = Scaler(10.0)
+    assert _same(_ship(scaler.apply), _ship(scaler.apply))
+    assert not _same(_ship(scaler.apply), _ship(Scaler(20.0).apply))
+    assert not _same(_ship([1].append), _ship([2].append))   # a builtin bound to other data
+    # read as globals of the forward's code, as a notebook's forward reads them
+    source = "def f(x):\n    return g(act(x))\n"
+    f = _function(source, act=_ship(leaky), g=_ship(scaler.apply))
+    assert _same(f, _function(source, act=_ship(leaky), g=_ship(scaler.apply)))
+    assert not _same(f, _function(source, act=functools.partial(F.leaky_relu, negative_slope=0.2),
+                                  g=_ship(scaler.apply)))
+    assert not _same(f, _function(source, act=_ship(leaky), g=Scaler(20.0).apply))
+
+
+def test_a_partial_held_as_an_attribute_that_changed_is_not_adopted():
+    import functools
+
+    import torch.nn.functional as F
+    Net = _net_class()
+
+    class Leaky(Net):
+        def __init__(self, slope):
+            super().__init__()
+            self.act = functools.partial(F.leaky_relu, negative_slope=slope)
+
+        def forward(self, x):
+            return self.out(self.act(self.hidden(x)))
+
+    kept = _ship(Leaky(0.1))
+    warm = WarmModels()
+    warm.keep("model", kept, kept, OPTIONS)
+    assert warm.adopt("model", _ship(Leaky(0.2)), OPTIONS) == "Leaky.act changed"
+    kept = _ship(Leaky(0.1))
+    warm.keep("model", kept, kept, OPTIONS)
+    assert isinstance(warm.adopt("model", _ship(Leaky(0.1)), OPTIONS), Adopted)   # unchanged: reused
+
+
+def test_objects_whose_state_is_not_all_in_their_dict_are_different_when_in_doubt():
+    """A subclass of a C type keeps state outside ``__dict__`` (a dict subclass's items): never
+    judged alike by its ``__dict__`` alone."""
+    class Table(dict):
+        pass
+
+    class Slots:
+        __slots__ = ("scale",)
+
+        def __init__(self, scale):
+            self.scale = scale
+
+    assert not _same(_ship(Table(a=1)), _ship(Table(a=2)))
+    assert not _same(_ship(Slots(1.0)), _ship(Slots(2.0)))
+    assert _same(_ship(Slots(1.0)), _ship(Slots(1.0)))

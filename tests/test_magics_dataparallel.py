@@ -593,6 +593,11 @@ def test_killed_kernel_leaves_no_worker_behind(tmp_path):
     (f"{CPU2} --timeout nan", "positive, finite number of seconds"),
     (f"{CPU2} --timeout inf", "positive, finite number of seconds"),
     (f"{CPU2} --bucket-mb nan", "positive, finite number of MB"),
+    # huge but finite: refused here, not an OverflowError or a TypeError from DDP once the pool runs
+    (f"{CPU2} --timeout 1e14", "--timeout 1e+14: at most 31536000 seconds"),
+    ("--cluster --timeout 1e14", "--timeout 1e+14: at most 31536000 seconds"),
+    (f"{CPU2} --timeout 1e-6", "--timeout 1e-06: at least 1 second"),
+    (f"{CPU2} --bucket-mb 1e15", "--bucket-mb 1e+15: at most 1048576 MB"),
     (f"{CPU2} --seed 99999999999999999999", "a seed is a whole number from 0 to"),
     (f"{CPU2} --seed -1", "a seed is a whole number from 0 to"),
     (f"{CPU2} --grad-dtype int8", "fp32, bf16, fp16"),

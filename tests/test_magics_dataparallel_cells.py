@@ -15,6 +15,7 @@ import torch
 from gpumagic.errors import UsageError, WorkerError
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
+from tests.deep_cells import elif_chain, nested_abs
 
 CPU2 = "--nprocs 2"
 
@@ -463,3 +464,39 @@ def test_a_name_the_cell_left_on_the_notebooks_own_object_stays_bound(shell):
     dp_cell(shell, CPU2, "evaluator = Evaluator(model)\nevaluator.seen = 1\n")
     assert ns["evaluator"] is not evaluator and ns["evaluator"].model is model and ns["evaluator"].seen == 1
     assert type(ns["evaluator"]) is ns["Evaluator"] and evaluator.seen == 64
+
+
+@pytest.mark.parametrize("source, name, value", [
+    (elif_chain(250, 137, then="out = model(X)\n"), "r", 137),
+    (nested_abs(190, then="out = model(X)\n"), "v", 1),
+    (elif_chain(900, 897, then="out = model(X)\n"), "r", 897),   # nearly as deep as a plain cell compiles
+])
+def test_cells_nested_deeper_than_deepcopy_goes_run_on_cpu_ranks(shell, source, name, value):
+    # a plain cell runs them; the CPU ranks' rewrite of the cell copied its syntax tree recursively, and
+    # pickling it to the ranks and walking it took a few frames per level too
+    run_cell(shell, SETUP)
+    assert run_cell(shell, source)[0].success   # (as a plain cell)
+    del shell.user_ns[name]
+    dp_cell(shell, CPU2, source)
+    assert shell.user_ns[name] == value
+    assert shell.user_ns["out"].shape == (64, 1)
+
+
+def test_a_cell_deeper_than_python_compiles_is_refused_clearly(shell):
+    import psutil
+    run_cell(shell, SETUP)
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(UsageError) as err:
+        dp_cell(shell, CPU2, elif_chain(1200, 3, then="out = model(X)\n"))
+    assert "the cell nests 1204 levels deep" in str(err.value) and "up to 1000 levels" in str(err.value)
+    assert "r" not in shell.user_ns and set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_a_name_bound_to_a_notebook_function_or_class_is_it_and_named_once(shell):
+    # `fn = helper` binds the notebook's own function, as a plain cell does: a value, not also "not brought back"
+    run_cell(shell, SETUP + "def helper(x):\n    return x * 2\nclass Box:\n    pass\n")
+    _, cap = dp_cell(shell, CPU2, "fn = helper\nK = Box\nout = model(X)\n")
+    ns = shell.user_ns
+    assert ns["fn"] is ns["helper"] and ns["K"] is ns["Box"]
+    assert "not brought back" not in cap.stderr, cap.stderr
+    assert "values: fn, K, out" in cap.stderr or "values: K, fn, out" in cap.stderr, cap.stderr

@@ -24,6 +24,7 @@ from IPython.core.error import UsageError
 from gpumagic.errors import WorkerError
 from gpumagic.procs import forkserver
 from tests.conftest import ROOT, run_cell
+from tests.deep_cells import elif_chain, nested_abs
 from tests.test_sharedtrain_display import plot_svg
 
 SETUP = """
@@ -734,3 +735,17 @@ def test_an_interrupt_while_workers_start_stops_them_all_within_a_second(shell):
     assert 0 < len(started) < 200                                    # it stopped starting them
     assert "Exception ignored" not in out
     hygiene.check(shell, started)
+
+
+@pytest.mark.parametrize("source, name, value, method", [
+    (elif_chain(250, 137, then="report(r=r)\n"), "r", 137, "fork"),
+    (elif_chain(250, 137, then="report(r=r)\n"), "r", 137, "spawn"),   # (the tree pickled to them)
+    (nested_abs(190, then="report(v=v)\n"), "v", 1, "spawn"),
+])
+def test_cells_nested_deeper_than_deepcopy_goes_run_in_the_workers(shell, source, name, value, method):
+    run_cell(shell, SETUP + "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    result, out, _ = run_cell(shell, f"%%sharedtrain --nprocs 2 --start-method {method}\n"
+                                     "out = model(data.x[:4])\n" + source)
+    assert result.error_in_exec is None, out
+    trained = shell.user_ns["sharedtrain"]
+    assert [trained.history[r][0][name] for r in range(2)] == [value, value]

@@ -54,3 +54,56 @@ def test_prefixed_progress_bars_redraw_as_they_come():
     )
     # "\r\n" split over two writes is one line end, not a redraw followed by an empty line.
     assert cap.stdout == "[rank 1] done\n"
+
+
+class _Counting:
+    """Stands for output's line-end pattern, counting the characters it is asked to scan."""
+
+    def __init__(self, pattern):
+        self.pattern, self.scanned = pattern, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.pattern, name)
+
+        def counted(text, *args, **kwargs):
+            self.scanned += len(text)
+            return method(text, *args, **kwargs)
+        return counted
+
+
+def test_prefixed_output_costs_what_is_written_not_its_square(monkeypatch):
+    # 20,000 progress dots on one unfinished line, then a 2 MB line in 64 KiB pieces: each character
+    # is looked at a bounded number of times, not once for every later write
+    from gpumagic.procs import output as outmod
+    counting = _Counting(outmod._LINE_ENDS)
+    monkeypatch.setattr(outmod, "_LINE_ENDS", counting)
+    output = RankOutput(prefix=True)
+    piece = "x" * 65536
+    with capture_output() as cap:
+        for _ in range(20000):
+            output.write(0, "stdout", ".")
+        output.write(0, "stdout", "\n")
+        for _ in range(32):
+            output.write(1, "stderr", piece)
+        output.write(1, "stderr", "\n")
+        output.flush()
+    written = 20001 + 32 * len(piece) + 1
+    assert cap.stdout == "[rank 0] " + "." * 20000 + "\n"
+    assert cap.stderr == "[rank 1] " + piece * 32 + "\n"
+    assert counting.scanned <= 3 * written, counting.scanned
+
+
+def test_a_long_redrawn_line_is_not_shown_again_on_every_write():
+    # a bar that redraws after "\r" and then grows without end: what reaches the cell stays linear in
+    # what the worker wrote (a short redraw still shows at once)
+    output = RankOutput(prefix=True)
+    with capture_output() as cap:
+        output.write(0, "stdout", "\rstep 1")
+        shown_at_once = cap.stdout
+        for _ in range(20000):
+            output.write(0, "stdout", ".")
+        output.write(0, "stdout", "\n")
+        output.flush()
+    assert shown_at_once == "[rank 0] step 1\r"
+    assert cap.stdout.endswith("[rank 0] step 1" + "." * 20000 + "\n")
+    assert len(cap.stdout) <= 4 * (20000 + 20000 // 4), len(cap.stdout)

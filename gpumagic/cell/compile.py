@@ -26,10 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from types import CodeType
 
+from .trees import MAX_DEPTH, depth, room_for
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty",
-           "cell_label", "is_cell", "remember_cells_of", "shell_calls", "refuse_shell_calls"]
+           "cell_label", "is_cell", "remember_cells_of", "shell_calls", "refuse_shell_calls", "refuse_too_deep"]
 
 # IPython's own name for a cell (IPython.core.compilerop.code_name), which carries its number.
 _INPUT_NAME = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
@@ -186,18 +188,33 @@ def compile_cell(shell, cell: str, header: str = "", transformers: Iterable[ast.
     # so that every node keeps the line number it has in the source tracebacks show.
     offset += _leading_blank_lines(cell) - _leading_blank_lines(transformed)
     tree = shell.compile.ast_parse("\n" * offset + transformed, filename=filename)
-    refuse_top_level_await(tree, header)
-    tree = shell.transform_ast(tree)
-    for transformer in transformers:
-        tree = ast.fix_missing_locations(transformer.visit(tree))
+    refuse_too_deep(tree, header)
+    with room_for(tree):
+        refuse_top_level_await(tree, header)
+        tree = shell.transform_ast(tree)
+        for transformer in transformers:
+            tree = ast.fix_missing_locations(transformer.visit(tree))
 
-    last_expr = None
-    body_nodes = list(tree.body)
-    if body_nodes and isinstance(body_nodes[-1], ast.Expr):
-        last = body_nodes.pop()
-        last_expr = shell.compile(ast.Expression(last.value), filename, "eval")
-    body = shell.compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
+        last_expr = None
+        body_nodes = list(tree.body)
+        if body_nodes and isinstance(body_nodes[-1], ast.Expr):
+            last = body_nodes.pop()
+            last_expr = shell.compile(ast.Expression(last.value), filename, "eval")
+        body = shell.compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
     return CompiledCell(body=body, last_expr=last_expr, filename=filename, tree=tree, source=full_source)
+
+
+def refuse_too_deep(tree: ast.Module, header: str = "") -> None:
+    """``UsageError`` for a cell nested deeper than :data:`~.trees.MAX_DEPTH` levels, which the magics'
+    walks over its syntax tree would not finish (a plain cell compiles somewhat deeper)."""
+    deep = depth(tree)
+    if deep > MAX_DEPTH:
+        from ..errors import usage_error
+        magic = header.split()[0] if header else "this magic"
+        raise usage_error(f"the cell nests {deep} levels deep (an if/elif chain of that many branches, or calls or "
+                          f"expressions nested in each other), and {magic} takes cells up to {MAX_DEPTH} levels: "
+                          "split it (a dict of cases instead of the elif chain, a function for each part); Python "
+                          "itself compiles a plain cell only about this deep")
 
 
 _ASYNC = (ast.Await, ast.AsyncFor, ast.AsyncWith)

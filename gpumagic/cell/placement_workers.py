@@ -8,7 +8,8 @@ Used by ``%%dataparallel``'s CPU ranks and ``%%sharedtrain``'s CPU workers.
 from __future__ import annotations
 
 import ast
-import copy
+
+from .trees import copy_tree
 
 __all__ = ["rewrite_for_cpu_workers", "bind_placement"]
 
@@ -16,7 +17,7 @@ __all__ = ["rewrite_for_cpu_workers", "bind_placement"]
 def rewrite_for_cpu_workers(tree: ast.Module, namespace: dict) -> tuple[ast.Module, str | None]:
     """``(tree rewritten, helper name)``; ``(tree, None)`` as given where nothing needed rewriting."""
     from .placement import HELPER, rewrite_placement
-    rewritten, rewriter = rewrite_placement(copy.deepcopy(tree), namespace)
+    rewritten, rewriter = rewrite_placement(copy_tree(tree), namespace)
     return (rewritten, HELPER) if rewriter.rewrites else (tree, None)
 
 

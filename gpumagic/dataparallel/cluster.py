@@ -50,6 +50,7 @@ ENGINE = "gpumagic.dataparallel.engine"
 INTERRUPT_GRACE = 3.0       # seconds engines get to end a cell after SIGINT before they are stopped
 CONTROLLER_CHECK = 2.0      # seconds between checks that the controller is still there
 BIG_TASK_BYTES = 64 << 20   # a cell that moved this much frees its tasks' buffers at once (see _forget)
+STORE_TIMEOUT = 30.0        # seconds rank 0's engine may take to open or close the rendezvous store
 
 
 @dataclass
@@ -81,7 +82,11 @@ class ClusterRanks:
     tasks_run: int = 0
     name: str = "cluster"
     aliases: set = field(default_factory=set)    # other --cluster values found to be this cluster
+    store_host: str = "0.0.0.0"                  # where rank 0 serves the store: loopback if every engine is here
+    store_address: str = ""                      # where the other ranks reach it
+    last_store: tuple | None = None              # (address, port) of the last cell's store, closed since
     _outgoing: Any = None
+    _errands: list = field(default_factory=list)  # the store's open and close tasks, for _forget
 
     # ---- what run.py uses of a pool
     @property
@@ -115,7 +120,9 @@ class ClusterRanks:
             raise WorkerDied(-1, None, "WorkerDied", f"the cluster's ranks ({self.source}) are not formed")
         bulk = data.numpy() if hasattr(data, "numpy") else data
         show = bool(isinstance(meta, dict) and meta.get("all_output"))
-        futures = [self.client[r.engine].apply_async(call_engine, "run_task", task, meta, bulk, show or r.rank == 0)
+        rendezvous = self._open_store()
+        futures = [self.client[r.engine].apply_async(call_engine, "run_task", task, meta, bulk, show or r.rank == 0,
+                                                     rendezvous)
                    for r in self.ranks]
         self.tasks_run += 1
         try:
@@ -131,6 +138,8 @@ class ClusterRanks:
             self._stop_busy(futures, "interrupted")
             raise
         finally:
+            # (queued behind rank 0's task: it closes once that has ended; waited for where every task has)
+            self.close_store(wait=all(f.ready() for f in futures))
             moved = self._forget(futures) + (getattr(bulk, "nbytes", 0) or 0)
             # Forgotten, the tasks' futures are garbage in reference cycles that still hold their
             # buffers (the cell's tensors, the trained weights): with this frame's references gone,
@@ -140,15 +149,48 @@ class ClusterRanks:
             if moved >= BIG_TASK_BYTES:
                 gc.collect()
         if errors:
-            raise primary_error(errors)
+            raise primary_error(errors, still_running=pending)   # (ranks a timed-out collective waited on)
         return results
+
+    def _open_store(self) -> tuple:
+        """Rank 0 serves a rendezvous store for this cell (:mod:`.cell_store`); where the others reach it."""
+        first = self.ranks[0]
+        try:
+            opening = self.client[first.engine].apply_async(call_engine, "open_store", self.world_size, self.timeout,
+                                                            self.store_host, False)
+            self._errands.append(opening)
+            port = opening.get(timeout=STORE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - an engine gone or restarted: the ranks form again
+            self.formed = False
+            raise WorkerDied(0, first.pid, "WorkerDied", f"engine {first.engine} on {first.host} (rank 0) could not "
+                             f"open the cell's rendezvous ({type(exc).__name__}: {exc}); run the cell again to "
+                             "form the ranks anew") from None
+        self.last_store = (self.store_address, int(port))
+        return self.last_store
+
+    def close_store(self, engines: list | None = None, wait: bool = True) -> None:
+        """Close the store on ``engines`` (rank 0's, by default: its server): between cells nothing listens
+        there. Sent to the engines' queues, so that each closes once its task has ended; ``wait``: until
+        then (not where a task may still be stuck, which an interrupt must not wait for)."""
+        targets = engines if engines is not None else [self.ranks[0].engine]
+        try:
+            if self.controller_alive():
+                closing = self.client[targets].apply_async(call_engine, "close_store")
+                self._errands.append(closing)
+                if wait:
+                    closing.get(timeout=STORE_TIMEOUT)
+        except Exception:  # an engine stopped or killed: its store went with its process
+            logger.debug("closing the rendezvous store on engines %s failed", targets, exc_info=True)
 
     def _forget(self, futures) -> int:
         """The controller keeps every task's request and result (the cell's tensors, the trained
         weights) in its database until it culls them (about 1 GB by default): the finished ones
         are dropped now, so it holds no model between cells. Returns the bytes they brought back."""
         done = [f for f in futures if f.ready()]
-        if not done:
+        # (and the store's errands: opened and closed each cell, they would pile up there too)
+        errands, self._errands = self._errands, [f for f in self._errands if not f.ready()]
+        done += [f for f in errands if f.ready()]
+        if not done or not self.controller_alive():   # (one that is gone keeps nothing, and would not answer)
             return 0
         try:
             self.client.purge_hub_results(jobs=done)

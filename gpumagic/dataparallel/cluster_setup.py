@@ -15,6 +15,7 @@ import contextlib
 import logging
 import subprocess
 import time
+from typing import NoReturn
 
 from ..errors import UsageError, WorkerError, usage_error
 from . import cluster_watch
@@ -27,6 +28,7 @@ __all__ = ["connect", "form", "start_cluster", "stop_cluster", "current_cluster"
 
 _current: ClusterRanks | None = None   # what the last --cluster cell (or cluster start) used
 _started: ClusterRanks | None = None   # the cluster %dataparallel cluster start started
+_starting = None                               # the ipp.Cluster cluster start is starting now
 _watcher: cluster_watch.Watch | None = None   # stops _started if the kernel ends without stopping it
 STARTED = "started"   # --cluster without a value: the cluster %dataparallel cluster start started
 
@@ -217,12 +219,14 @@ def _replace(ranks: ClusterRanks | None) -> None:
             logger.debug("closing the previous cluster's client failed", exc_info=True)
 
 
-def start_cluster(engines: str = "local", n: int | None = None, profile: str | None = None) -> ClusterRanks:
+def start_cluster(engines: str = "local", n: int | None = None, profile: str | None = None,
+                  oversubscribe: bool = False) -> ClusterRanks:
     """Start a cluster (``ipp.Cluster(engines=..., n=...)``) and use it for ``--cluster`` cells."""
     ipp = _ipyparallel()
     if n is not None and n < 1:
         raise usage_error(f"%dataparallel cluster start -n {n}: a cluster needs at least one engine",
                           ["-n 1", "-n 2", "no -n (ipyparallel's default: one engine per core)"])
+    _check_engine_count(engines, n, oversubscribe)
     kwargs: dict = {"engines": engines, "log_level": 40}
     if n:
         kwargs["n"] = n
@@ -236,39 +240,114 @@ def start_cluster(engines: str = "local", n: int | None = None, profile: str | N
                            "--engines ssh"]) from None
     stop_cluster()   # (only once the new one's options are known good: a misspelling keeps the running one)
     from .. import session
-    with _leaving_px_alone():
-        client = cluster.start_and_connect_sync()
     session.register_closer("cluster", stop_cluster)   # %unload_ext and exit stop it too
-    global _watcher
-    try:   # ... and a kernel that Jupyter ends before its exit hooks run (cluster_watch)
-        _watcher = cluster_watch.watch(cluster.cluster_file)
-    except (OSError, subprocess.SubprocessError):
-        logger.warning("could not start the watcher that stops the cluster with the kernel", exc_info=True)
-    client.wait_for_engines(n or 1, timeout=600)
-    global _started
+    global _starting, _started
+    _starting = cluster   # (stop_cluster, from an exit hook, stops one that is starting too)
+    _watch(cluster)   # before anything starts: a kernel killed while it starts leaves nothing either
+    client = None
+    try:
+        with _leaving_px_alone():
+            client = cluster.start_and_connect_sync()
+        client.wait_for_engines(n or 1, timeout=600)
+    except BaseException as exc:  # noqa: BLE001 - an interrupt too: whatever started is stopped, then said
+        _abandon(cluster, client, exc, engines)
+    finally:
+        _starting = None
+    assert client is not None   # (_abandon raised otherwise)
     _started = ClusterRanks(client=client, source=f"the cluster started here ({engines}, {len(client.ids)} engines)",
                             cluster=cluster, owned=True)
     _replace(_started)
     return _started
 
 
-def stop_cluster() -> str:
-    """Stop the cluster started here (its engines and controller) and forget the one in use. Returns
-    what was done, for the user ("" where there was neither)."""
-    global _started
-    ranks, started = _current, _started
-    _started = None
-    _replace(None)
-    if started is not None:
-        try:
-            started.client.close()
-            started.cluster.stop_cluster_sync()
-        except Exception:  # stopping what is already gone
-            logger.debug("stopping the cluster failed", exc_info=True)
+def _watch(cluster) -> None:
+    """The watcher that stops ``cluster`` if the kernel ends without stopping it (:mod:`.cluster_watch`)."""
+    global _watcher
+    try:
+        _watcher = cluster_watch.watch(cluster.cluster_file, cluster.cluster_id, str(cluster.profile_dir))
+    except (OSError, subprocess.SubprocessError):
+        logger.warning("could not start the watcher that stops the cluster with the kernel", exc_info=True)
+
+
+def _abandon(cluster, client, exc: BaseException, engines: str) -> NoReturn:
+    """A start that failed or was interrupted: stop what it had started (every process of it on this
+    machine too, recorded by ipyparallel or not), then say so: ``CellInterrupted`` or ``UsageError``."""
+    from ..errors import CellInterrupted
+    from ..procs.teardown import no_interrupts
+    with no_interrupts():   # (a second interrupt must not leave half of it running)
+        _end(cluster, client)
+        _release_watcher()
+    if isinstance(exc, KeyboardInterrupt):
+        _retrieve_interrupted_tasks()
+        raise CellInterrupted("%dataparallel cluster start was interrupted; every process it had started was "
+                              "stopped") from None
+    raise usage_error(f"%dataparallel cluster start --engines {engines}: the cluster did not start "
+                      f"({type(exc).__name__}: {exc}); every process it had started was stopped",
+                      ["--engines local", f"--engines {engines} once its launcher works here (mpiexec, sbatch, "
+                                          "ssh... on the PATH)"]) from None
+
+
+def _retrieve_interrupted_tasks() -> None:
+    """The interrupt ended ipyparallel's start inside its event loop, leaving its asyncio task done with
+    the KeyboardInterrupt unread: asyncio would print "Task exception was never retrieved" and the
+    traceback into some later cell, whenever the task is collected. Read it now."""
+    import asyncio
+    import gc
+    for task in gc.get_objects():   # (by type: isinstance would ask deprecated objects for their __class__)
+        if issubclass(type(task), asyncio.Task) and task.done() and not task.cancelled() \
+                and getattr(task.get_coro(), "__qualname__", "").startswith("Cluster."):
+            task.exception()
+
+
+def _end(cluster, client=None) -> None:
+    """Stop ``cluster`` through ipyparallel (its launchers stop engines on other hosts too), then end
+    what it still runs on this machine: what ipyparallel did not record, a dead controller's schedulers."""
+    from .cluster_procs import end, processes
+    try:
+        if client is not None:
+            client.close()
+        cluster.stop_cluster_sync()
+    except Exception:  # stopping what is already gone; ended below all the same
+        logger.debug("stopping the cluster through ipyparallel failed", exc_info=True)
+    left = end(processes(cluster.cluster_id, str(cluster.profile_dir)))
+    if left:
+        logger.warning("processes of the cluster still running after SIGKILL: %s", left)
+
+
+def _release_watcher() -> None:
     global _watcher
     if _watcher is not None:
         _watcher.release()
         _watcher = None
+
+
+def _check_engine_count(engines: str, n: int | None, oversubscribe: bool) -> None:
+    """Local engines are processes of this machine, as the local pool's ranks are: the same bound, before
+    anything starts (``UsageError`` unless ``oversubscribe``; a note above the cores)."""
+    from ..procs.cpus import check_process_count
+    if engines != "local":
+        if oversubscribe:
+            raise usage_error(f"--oversubscribe is about this machine's cores, and --engines {engines} places its "
+                              "engines elsewhere", ["drop --oversubscribe", "--engines local --oversubscribe"])
+        return
+    crowded = check_process_count(n, oversubscribe, flag="-n") if n is not None else None
+    if crowded:
+        from ..display import note
+        note(crowded)
+
+
+def stop_cluster() -> str:
+    """Stop the cluster started here (its engines and controller) and forget the one in use. Returns
+    what was done, for the user ("" where there was neither)."""
+    global _started
+    ranks, started, starting = _current, _started, _starting
+    _started = None
+    _replace(None)
+    if started is not None:
+        _end(started.cluster, started.client)
+    if starting is not None:
+        _end(starting)
+    _release_watcher()
     if started is not None:
         return "the cluster was stopped"
     if ranks is not None:
@@ -386,17 +465,23 @@ def _join(ranks: ClusterRanks) -> None:
              f"other hosts may not reach its rendezvous at {first.address}: start the controller on an address "
              "the other hosts reach (ipcontroller --ip ...)")
     client = ranks.client
-    port = client[first.engine].apply_async(call_engine, "open_store", ranks.world_size, ranks.timeout).get(timeout=120)
+    # Every engine on this host (loopback addresses, or one host name): the store listens on loopback only.
+    here = len(hosts) == 1 or all(r.address.startswith("127.") for r in ranks.ranks)
+    ranks.store_host, ranks.store_address = ("127.0.0.1", "127.0.0.1") if here else ("0.0.0.0", first.address)
+    port = client[first.engine].apply_async(call_engine, "open_store", ranks.world_size, ranks.timeout,
+                                            ranks.store_host).get(timeout=120)
     nodes = sorted(hosts)
     local_world = {h: sum(r.host == h for r in ranks.ranks) for h in hosts}
     joins = [client[r.engine].apply_async(
-        call_engine, "join", r.rank, ranks.world_size, r.local_rank, r.device, ranks.backend, first.address, port,
-        ranks.timeout, {"LOCAL_RANK": str(r.local_rank), "LOCAL_WORLD_SIZE": str(local_world[r.host]),
-                        "GROUP_RANK": str(nodes.index(r.host)), "GROUP_WORLD_SIZE": str(len(nodes))})
+        call_engine, "join", r.rank, ranks.world_size, r.local_rank, r.device, ranks.backend, ranks.store_address,
+        port, ranks.timeout, {"LOCAL_RANK": str(r.local_rank), "LOCAL_WORLD_SIZE": str(local_world[r.host]),
+                              "GROUP_RANK": str(nodes.index(r.host)), "GROUP_WORLD_SIZE": str(len(nodes))})
         for r in ranks.ranks]
     try:
         for r, j in zip(ranks.ranks, joins):
             r.pid = j.get(timeout=ranks.timeout if ranks.timeout < 600 else 600)["pid"]
     except Exception as exc:  # noqa: BLE001 - the engines' own error, said as theirs
-        raise WorkerError(-1, None, type(exc).__name__,
-                          f"the engines could not form the process group at {first.address}:{port}: {exc}") from None
+        ranks.close_store([r.engine for r in ranks.ranks], wait=False)
+        raise WorkerError(-1, None, type(exc).__name__, f"the engines could not form the process group at "
+                          f"{ranks.store_address}:{port}: {exc}") from None
+    ranks.close_store([r.engine for r in ranks.ranks])   # formed: the store closes until a cell needs it

@@ -8,13 +8,17 @@ first. The controller and engines were then left running with no owner.
 
 So :func:`watch` starts a small watcher, detached from the kernel (not its
 child, so the kernel's shutdown does not signal it), that reads a pipe from the
-kernel. ``%dataparallel cluster stop`` tells it the cluster is stopped
-(:meth:`Watch.release`); if the pipe closes without that, the kernel is gone, and
-the watcher stops the cluster through ipyparallel's own cluster file (so remote
-launchers, Slurm's included, stop their engines as they would on ``cluster stop``).
+kernel. It starts before the cluster does, so that a kernel killed while the
+cluster starts leaves nothing either. ``%dataparallel cluster stop`` tells it the
+cluster is stopped (:meth:`Watch.release`); if the pipe closes without that, the
+kernel is gone, and the watcher stops the cluster through ipyparallel's own
+cluster file (so remote launchers, Slurm's included, stop their engines as they
+would on ``cluster stop``), then ends what the cluster still runs on this machine,
+found by its environment (:mod:`.cluster_procs`): what ipyparallel had not yet
+recorded in that file, and a dead controller's schedulers.
 
-Run as ``python -m gpumagic.dataparallel.cluster_watch CLUSTER_FILE``, it is the
-watcher itself.
+Run as ``python -m gpumagic.dataparallel.cluster_watch CLUSTER_FILE CLUSTER_ID PROFILE_DIR``,
+it is the watcher itself.
 """
 from __future__ import annotations
 
@@ -49,10 +53,12 @@ class Watch:
         self._pipe = None
 
 
-def watch(cluster_file: str) -> Watch:
-    """Start a watcher that stops the cluster of ``cluster_file`` when this process ends."""
+def watch(cluster_file: str, cluster_id: str, profile_dir: str) -> Watch:
+    """Start a watcher that stops the cluster ``cluster_id`` of ``profile_dir`` (its file: ``cluster_file``)
+    when this process ends."""
     # The launcher forks the watcher and exits at once, so the watcher is nobody's child here.
-    launcher = subprocess.Popen([sys.executable, "-m", __name__, cluster_file], stdin=subprocess.PIPE,
+    launcher = subprocess.Popen([sys.executable, "-m", __name__, cluster_file, cluster_id, profile_dir],
+                                stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                 close_fds=True)
     launcher.wait(timeout=30)
@@ -61,14 +67,21 @@ def watch(cluster_file: str) -> Watch:
     return Watch(pipe)
 
 
-def _stop(cluster_file: str) -> None:
-    import ipyparallel as ipp
+def _stop(cluster_file: str, cluster_id: str, profile_dir: str) -> bool:
+    """Stop the cluster through its file, then end what it runs here; whether all of it went."""
+    from .cluster_procs import end, processes
+    stopped = True
     if os.path.exists(cluster_file):
-        ipp.Cluster.from_file(cluster_file).stop_cluster_sync()
+        try:
+            import ipyparallel as ipp
+            ipp.Cluster.from_file(cluster_file).stop_cluster_sync()
+        except Exception:  # noqa: BLE001 - a file half written, a controller gone: ended below all the same
+            stopped = False
+    return not end(processes(cluster_id, profile_dir)) and stopped
 
 
 def main(argv: list[str]) -> int:
-    cluster_file = argv[0]
+    cluster_file, cluster_id, profile_dir = argv[:3]
     if os.fork():
         return 0   # the launcher: done, so that the watcher below is reparented away from the kernel
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -76,11 +89,7 @@ def main(argv: list[str]) -> int:
     said = sys.stdin.buffer.read(len(RELEASE))
     if said == RELEASE:
         return 0
-    try:
-        _stop(cluster_file)
-    except Exception:  # noqa: BLE001 - nobody is left to tell; the exit status says it
-        return 1
-    return 0
+    return 0 if _stop(cluster_file, cluster_id, profile_dir) else 1   # (nobody is left to tell)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from ..procs.worker import WorkerConfig, WorkerContext, _task_function
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["describe", "open_store", "join", "free_port", "run_task", "EngineContext", "HOST_VARIABLE"]
+__all__ = ["describe", "open_store", "close_store", "join", "free_port", "run_task", "EngineContext",
+           "HOST_VARIABLE"]
 
 # The host an engine says it is on, where set: engines on one machine can stand for several hosts
 # (tests, or a machine split by CUDA_VISIBLE_DEVICES as several nodes).
@@ -59,32 +60,41 @@ def _address(controller_ip: str) -> str:
     return "127.0.0.1"
 
 
-def open_store(world_size: int, timeout: float) -> int:
-    """On rank 0: the rendezvous store, on a free port of this host; returns the port."""
-    import datetime
-
-    import torch.distributed as dist
-    _forget()
-    store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    _engine["store"] = store
+def open_store(world_size: int, timeout: float, host: str = "0.0.0.0", fresh: bool = True) -> int:
+    """On rank 0: the rendezvous store, on a free port of this host (``host``: loopback where every engine
+    is on it), for the ranks to form in (``fresh``: the last group left first) or for one cell; returns
+    the port. It serves until :func:`close_store` (:mod:`.cell_store`)."""
+    from .cell_store import CellStore, serve
+    if fresh:
+        _forget()
+        _engine["store"] = CellStore()
+    elif "store" not in _engine:
+        raise RuntimeError("this engine is not rank 0 of a formed cluster (it was restarted)")
+    store = serve(host, world_size, timeout)
+    _engine["store"].attach(store)
     return int(store.port)
+
+
+def close_store() -> None:
+    """Let go of the rendezvous store on this engine; on rank 0 its server closes: between cells nothing
+    listens (the process group keeps the stand-in, which the next cell's store fills)."""
+    store = _engine.get("store")
+    if store is not None:
+        store.detach()
 
 
 def join(rank: int, world_size: int, local_rank: int, device: str, backend: str, address: str, port: int,
          timeout: float, env: dict | None = None) -> dict:
     """Become rank ``rank``: the device, the environment, the process group (through the store at
     ``address:port``); returns what :func:`describe` says, with the rank's device."""
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
     from ..procs import process_group
+    from .cell_store import CellStore, connect
     if rank != 0:
         _forget()
-        _engine["store"] = dist.TCPStore(address, port, world_size, is_master=False,
-                                         timeout=datetime.timedelta(seconds=timeout))
+        _engine["store"] = CellStore()
+        _engine["store"].attach(connect(address, port, world_size, timeout))
     os.environ.update(env or {})
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -106,6 +116,7 @@ def _forget() -> None:
         process_group.leave()
     except Exception:  # a group from before is gone anyway
         logger.debug("leaving the old process group failed", exc_info=True)
+    close_store()
     _engine.pop("store", None)
 
 
@@ -128,6 +139,15 @@ class EngineContext(WorkerContext):
         raise RuntimeError("an engine rank sends through ipyparallel")
 
 
+def _connect_for_the_cell(ctx, rendezvous: tuple | None) -> None:
+    """A rank other than 0: its connection to the store rank 0 serves for this cell."""
+    from .cell_store import connect
+    if rendezvous is None or ctx.rank == 0:
+        return
+    address, port = rendezvous
+    _engine["store"].attach(connect(address, port, ctx.world_size, ctx.config.timeout))
+
+
 def free_port() -> int:
     """A port free on this host now (launch mode's MASTER_PORT, on rank 0's host)."""
     with socket.socket() as s:
@@ -135,11 +155,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_task(task: str, meta, data, show: bool) -> tuple:
+def run_task(task: str, meta, data, show: bool, rendezvous: tuple | None = None) -> tuple:
     """Run one cell's task as this rank; returns ``("done", payload, buffer)`` or ``("error", info)``.
 
     ``data`` is the bulk bytes (a numpy uint8 array, or None); the buffer comes back the same way.
     ``show``: whether this rank's output goes to the notebook (the rest is dropped here).
+    ``rendezvous``: ``(address, port)`` of the store rank 0 serves for this cell, which the other ranks
+    use while it runs (rank 0's closes when the kernel says every rank has ended).
     """
     import torch
 
@@ -155,6 +177,7 @@ def run_task(task: str, meta, data, show: bool) -> tuple:
         sys.stdout = sys.stderr = open(os.devnull, "w")   # closed below
     ctx.in_task = True
     try:
+        _connect_for_the_cell(ctx, rendezvous)
         process_group.ensure_pool_group()
         import warnings
         with warnings.catch_warnings():
@@ -168,6 +191,8 @@ def run_task(task: str, meta, data, show: bool) -> tuple:
         return ("error", exception_info(ctx.rank, exc))
     finally:
         ctx.in_task = False
+        if ctx.rank != 0:
+            close_store()   # (rank 0's, the server, when every rank has ended: the kernel says so)
         if not show:
             sys.stdout.close()
         sys.stdout, sys.stderr = real_out, real_err

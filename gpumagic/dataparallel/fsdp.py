@@ -45,7 +45,7 @@ from .blocks import autocast_dtype, choose_blocks
 logger = logging.getLogger(__name__)
 
 __all__ = ["FsdpShipment", "choose_all_blocks", "prepare_shipment", "gather_deferred_state", "load_gathered",
-           "on_meta"]
+           "on_meta", "private_again"]
 
 
 @dataclass
@@ -129,7 +129,6 @@ def choose_all_blocks(modules: dict, wrap: list[str] | None) -> dict:
 def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
                      keep_optimizer: bool, namespace: dict | None = None) -> FsdpShipment:
     """Decide what the ranks kept, and put the rest in shared memory; returns the :class:`FsdpShipment`."""
-    import torch
     records = _records(pool)
     kept_modules = []
     for name, module in modules.items():
@@ -157,6 +156,32 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
         "keep_optimizers": [n for n, o in optimizers.items() if keep_optimizer or any(
             id(p) in stay_ids for g in o.param_groups for p in g["params"])],
         "param_dtype": autocast_dtype(tree, namespace)})
+    try:
+        _fill(shipment, records, modules, optimizers, kept_optimizers)
+    except BaseException:   # (an interrupt while it moves state into shared memory: none of it stays there)
+        private_again(optimizers, shipment)
+        raise
+    for name, module in modules.items():
+        on_gpu = sorted({str(t.device) for t in module.parameters() if t.device.type == "cuda"})
+        if on_gpu and name not in kept_modules:
+            note(f"--strategy fsdp: {name} is on {', '.join(on_gpu)} in the kernel, which takes that GPU's memory "
+                 f"from the rank training there, and its weights come back through a copy; keep it on the CPU "
+                 f"({name}.cpu()) or build it on the meta device")
+    for name in modules:
+        what = ", ".join(blocks[name]) or "none (the whole model is one unit)"
+        if name not in kept_modules:
+            note(f"--strategy fsdp: {name} sharded over the ranks; blocks: {what}")
+    if shipment.config["param_dtype"]:
+        note(f"--strategy fsdp: the cell runs under autocast({shipment.config['param_dtype']}): parameters are "
+             f"gathered in {shipment.config['param_dtype']}, gradients reduced in float32")
+    return shipment
+
+
+def _fill(shipment: FsdpShipment, records: dict, modules: dict, optimizers: dict, kept_optimizers: list) -> None:
+    """What travels by reference (moved into shared memory), what the ranks kept (stand-ins), and the
+    targets rank 0 writes into."""
+    import torch
+    kept_modules = shipment.config["kept_modules"]
     shipment.config.update(_new_targets(records, modules, optimizers, shipment.moved))
     # A kept module is the ranks' own object: what the notebook set on its copy since (model.train(),
     # model.temperature = 0.5, a frozen layer) reaches it this way, as it would in a plain cell.
@@ -175,20 +200,6 @@ def prepare_shipment(tree, modules: dict, optimizers: dict, pool, blocks: dict,
         else:
             shipment.shared |= _share([v for st in opt.state.values() for v in st.values()
                                        if isinstance(v, torch.Tensor) and v.dim() > 0], shipment.moved)
-    for name, module in modules.items():
-        on_gpu = sorted({str(t.device) for t in module.parameters() if t.device.type == "cuda"})
-        if on_gpu and name not in kept_modules:
-            note(f"--strategy fsdp: {name} is on {', '.join(on_gpu)} in the kernel, which takes that GPU's memory "
-                 f"from the rank training there, and its weights come back through a copy; keep it on the CPU "
-                 f"({name}.cpu()) or build it on the meta device")
-    for name in modules:
-        what = ", ".join(blocks[name]) or "none (the whole model is one unit)"
-        if name not in kept_modules:
-            note(f"--strategy fsdp: {name} sharded over the ranks; blocks: {what}")
-    if shipment.config["param_dtype"]:
-        note(f"--strategy fsdp: the cell runs under autocast({shipment.config['param_dtype']}): parameters are "
-             f"gathered in {shipment.config['param_dtype']}, gradients reduced in float32")
-    return shipment
 
 
 def _new_targets(records: dict, modules: dict, optimizers: dict, moved: set) -> dict:
@@ -317,6 +328,15 @@ def load_gathered(state: dict, buffer, modules: dict, optimizers: dict, pool, sh
         for ref in [r for r in records["sent"] or {} if r[0] == "optimizer" and r[1] == name]:
             del records["sent"][ref]
     return stayed
+
+
+def private_again(optimizers: dict, shipment: FsdpShipment) -> None:
+    """After a cell that failed or was interrupted: the optimizers' state the cell moved into shared
+    memory is the notebook's own again (copies, holding what it held), as after a cell that succeeded.
+    A later ``%%sharedtrain`` cell would otherwise take it as shared on purpose, every worker updating one
+    Adam state. Run on every way out: after a success it finds nothing left to copy."""
+    for opt in optimizers.values():
+        _private_state(opt, shipment.moved)
 
 
 def _private_state(opt, moved: set) -> None:

@@ -22,6 +22,9 @@ STRATEGIES = ("ddp", "fsdp", "dp")
 BACKENDS = ("nccl", "gloo")
 POOL_NAME = "dataparallel"
 CPU_DEFAULT_NPROCS = 2
+MIN_TIMEOUT = 1.0               # seconds: --timeout below this times out forming the group
+MAX_TIMEOUT = 365 * 24 * 3600   # seconds: --timeout above this is no timeout, and overflows clocks
+MAX_BUCKET_MB = 1 << 20         # MB: --bucket-mb above this overflows DDP's byte count
 
 
 @dataclass
@@ -216,6 +219,14 @@ def _check_options(strategy, nprocs, timeout, backend, bucket_mb, gpu_count: int
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise usage_error(f"--timeout {timeout}: must be a positive, finite number of seconds",
                           ["--timeout 1800 (default)", "--timeout 600"])
+    if timeout is not None and timeout < MIN_TIMEOUT:
+        raise usage_error(f"--timeout {timeout:g}: at least {MIN_TIMEOUT:.0f} second: forming the process group "
+                          "waits on it too, and gloo rounds a shorter one to 0 ms",
+                          ["--timeout 1800 (default)", "--timeout 60"])
+    if timeout is not None and timeout > MAX_TIMEOUT:
+        # (torch's timedelta overflows past 8.6e13 s, gloo's clock arithmetic past about 9e9 s)
+        raise usage_error(f"--timeout {timeout:g}: at most {MAX_TIMEOUT} seconds (a year); a collective "
+                          "waiting longer is stuck", ["--timeout 1800 (default)", f"--timeout {MAX_TIMEOUT}"])
     if backend is not None:
         backend = backend.lower()
         if backend not in BACKENDS:
@@ -223,6 +234,11 @@ def _check_options(strategy, nprocs, timeout, backend, bucket_mb, gpu_count: int
     if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb > 0):
         raise usage_error(f"--bucket-mb {bucket_mb}: must be a positive, finite number of MB",
                           ["--bucket-mb 25 (default)", "--bucket-mb 100"])
+    if bucket_mb is not None and bucket_mb > MAX_BUCKET_MB:
+        # (DDP takes it in bytes as a C++ integer, which a larger one overflows)
+        raise usage_error(f"--bucket-mb {bucket_mb:g}: at most {MAX_BUCKET_MB} MB (1 TiB); a bucket larger "
+                          "than the model holds the whole model", ["--bucket-mb 25 (default)",
+                                                                   f"--bucket-mb {MAX_BUCKET_MB}"])
     return backend
 
 

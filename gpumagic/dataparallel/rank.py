@@ -16,13 +16,13 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import copy
 import logging
 import time
 
 from ..cell.compile import register_source
 from ..cell.main_module import main_is_cell
 from ..cell.placement_workers import bind_placement
+from ..cell.trees import copy_tree, room_for, shipped
 from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings
 from ..procs.compile_settings import apply_compile_settings
@@ -70,6 +70,7 @@ def _no_ipython():
 def rank_main(ctx, meta: dict, data):
     """Run one cell on this rank; returns ``(payload, buffer)``."""
     store = ctx.state.setdefault("store", TensorStore())
+    meta["tree"] = shipped(meta["tree"])
     try:
         return _run_cell(ctx, meta, data, store)
     except BaseException:
@@ -336,15 +337,16 @@ def _execute(ctx, ns: dict, meta: dict, device, stats: dict):
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
     tree = meta["tree"]
-    if device.type == "cuda":
-        tree = ast.fix_missing_locations(RankDevice(device.index).visit(copy.deepcopy(tree)))
     filename = meta["filename"]
     register_source(filename, meta["source"])
-    body_nodes = list(tree.body)
-    last_expr = None
-    if body_nodes and isinstance(body_nodes[-1], ast.Expr):
-        last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")
-    body = compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
+    with room_for(tree):   # (a deep cell, which the kernel took: rewritten and compiled here too)
+        if device.type == "cuda":
+            tree = ast.fix_missing_locations(RankDevice(device.index).visit(copy_tree(tree)))
+        body_nodes = list(tree.body)
+        last_expr = None
+        if body_nodes and isinstance(body_nodes[-1], ast.Expr):
+            last_expr = compile(ast.Expression(body_nodes.pop().value), filename, "eval")
+        body = compile(ast.Module(body_nodes, type_ignores=[]), filename, "exec")
 
     t_start = time.monotonic()
     last_sent = [t_start]

@@ -201,7 +201,9 @@ def load_into_notebook(ns: dict, state: dict, modules: dict, optimizers: dict, s
                 continue
         ns[name] = value
         bound.append(name)
-    defined, not_defined = define(state.get("defined") or []) if define is not None else ([], [])
+    # (a name bound to the notebook's own function or class, ``fn = helper``, is that object: nothing to define)
+    definable = [n for n in state.get("defined") or [] if n not in aliased]
+    defined, not_defined = define(definable) if define is not None else ([], [])
     objects, not_loaded = [], []
     for name, (blob, paths) in (state.get("objects") or {}).items():
         try:

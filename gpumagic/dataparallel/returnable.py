@@ -35,6 +35,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ..cell.values import detached, is_plain_value
+from ..procs.returning import smaller_as_view
 from .by_reference import pickled_item
 from .container_models import made_model, model_bytes
 from .containers import (
@@ -202,7 +203,13 @@ def changed_attributes(ns: dict, snapshot: dict, watched: list[str], room: Room 
                 continue
             if now is _MISSING or _same(now, was):
                 continue
-            if is_array(now) and fingerprint(now) is not None:
+            if smaller_as_view(now) and (blob := pickled_item(now, named or {})) is not None:
+                # (an expanded mask: the view of its small storage, judged by that, rather than its elements)
+                if room.take(len(blob[0])):
+                    out.changed.setdefault(name, {})[k] = PickledObject(blob[0], tuple(blob[1]))
+                else:
+                    out.dropped.append(f"{name}.{k} ({room.too_large})")
+            elif is_array(now) and fingerprint(now) is not None:
                 out.changed.setdefault(name, {})[k] = detached(now)
             elif is_plain_value(now):
                 out.changed.setdefault(name, {})[k] = _copied(now)

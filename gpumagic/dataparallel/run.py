@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.definitions import define_in_notebook
 from ..cell.names import names_deleted
 from ..cell.placement_workers import rewrite_for_cpu_workers
+from ..cell.trees import Flat, room_for
 from ..cell.values import instead_of_sending
 from ..cell.with_targets import quiet_targets
 from ..display import note
@@ -42,10 +44,17 @@ from ..procs.relays import Relays
 from ..procs.rendezvous import free_loopback_port
 from ..procs.seeding import draw_seed
 from ..procs.teardown import interrupts_deferred
-from ..procs.wire import Unshippable, pack_namespace
+from ..procs.wire import Packed, Unshippable, pack_namespace
 from . import held
 from .detect import choose_mode
-from .fsdp import choose_all_blocks, gather_deferred_state, load_gathered, on_meta, prepare_shipment
+from .fsdp import (
+    choose_all_blocks,
+    gather_deferred_state,
+    load_gathered,
+    on_meta,
+    prepare_shipment,
+    private_again,
+)
 from .grads import GRADS_KEY, notebook_grads
 from .plan import POOL_NAME, Plan, check_launch
 from .progress import Progress
@@ -121,6 +130,34 @@ def _unshippable(exc: Unshippable):
                        + ", or run the cell with --strategy dp (in the kernel)")
 
 
+def _read_cell(shell, cell: str, plan: Plan, header: str) -> tuple:
+    """The cell compiled, what it trains and reads (its survey), whether it runs in launch mode, the fsdp
+    blocks, and the tree the ranks run (with its placement helper): ``UsageError`` where it cannot run."""
+    ns = shell.user_ns
+    compiled = compile_cell(shell, cell, header=header)
+    with room_for(compiled.tree):   # (what reads the cell walks its tree recursively: a deep cell needs room)
+        refuse_shell_calls(compiled.tree, "%%dataparallel")
+        used = read_names(compiled.tree, shell)
+        mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
+        launch = mode == "launch"
+        if launch:
+            if plan.strategy == "fsdp":
+                raise usage_error(f"--strategy fsdp shards a hand-written loop's model, but {why}, which distributes "
+                                  "by itself (launch mode): ask it for FSDP (TrainingArguments(fsdp=...), accelerate's "
+                                  "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
+                                  ["%%dataparallel", "%%dataparallel --launch"])
+            check_launch(plan, why)
+        survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used, filename=compiled.filename)
+        blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
+        if launch and not plan.launch:
+            note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
+                 "started, and the cell's own code wraps the model and splits the data")
+        # On CPU ranks, a cell written for .cuda() runs on the CPU (the %%ondevice rewrite).
+        ship_tree, helper = rewrite_for_cpu_workers(compiled.tree, ns) if plan.devices[0] == "cpu" \
+            else (compiled.tree, None)
+    return compiled, survey, launch, blocks, ship_tree, helper
+
+
 def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> CellResult:
     """Run ``cell`` on the pool described by ``plan``; returns a :class:`~.results.CellResult`.
 
@@ -135,26 +172,7 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         plan, cluster_formed = _on_cluster(plan)
         t_cluster = time.monotonic() - t_begin if cluster_formed else 0.0
     ns = shell.user_ns
-    compiled = compile_cell(shell, cell, header=header)
-    refuse_shell_calls(compiled.tree, "%%dataparallel")
-    used = read_names(compiled.tree, shell)
-    mode, why = choose_mode(compiled.tree, ns, used, launch=plan.launch)
-    launch = mode == "launch"
-    if launch:
-        if plan.strategy == "fsdp":
-            raise usage_error(f"--strategy fsdp shards a hand-written loop's model, but {why}, which distributes "
-                              "by itself (launch mode): ask it for FSDP (TrainingArguments(fsdp=...), accelerate's "
-                              "FSDP plugin, Lightning's FSDPStrategy) and drop --strategy fsdp",
-                              ["%%dataparallel", "%%dataparallel --launch"])
-        check_launch(plan, why)
-    survey = survey_cell(compiled.tree, shell, plan, launch=launch, used=used, filename=compiled.filename)
-    blocks = choose_all_blocks(survey.modules, plan.wrap) if plan.strategy == "fsdp" else None
-    if launch and not plan.launch:
-        note(f"%%dataparallel: launch mode, because {why}: every rank runs the cell as a process torchrun "
-             "started, and the cell's own code wraps the model and splits the data")
-    # On CPU ranks, a cell written for .cuda() runs on the CPU (the %%ondevice rewrite).
-    ship_tree, helper = rewrite_for_cpu_workers(compiled.tree, ns) if plan.devices[0] == "cpu" \
-        else (compiled.tree, None)
+    compiled, survey, launch, blocks, ship_tree, helper = _read_cell(shell, cell, plan, header)
     if plan.cluster is None:
         from ..procs import pool as poolmod
         local = poolmod.current_pool(POOL_NAME)
@@ -170,64 +188,16 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
     t_pool = time.monotonic()
     shipment = prepare_shipment(compiled.tree, survey.modules, survey.optimizers, pool, blocks,
                                 plan.keep_optimizer, ns) if blocks is not None else None
-    relays = Relays()   # the notebook's loggers (a SummaryWriter) stay here; rank 0's calls come back to them
-    values = {n: ns[n] for n in survey.used}
-    values[GRADS_KEY] = notebook_grads(survey.modules, fsdp=shipment is not None, launch=launch)  # (rank's)
     try:
-        packed, _ = pack_namespace(values, ns, targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
-                                   held=pool.held, scratch=pool.outgoing,
-                                   share=shipment.share if shipment else None,
-                                   stand_ins=shipment.stand_ins if shipment else None,
-                                   stand_in_for=relays.stand_in_for)
-    except Unshippable as exc:
-        raise _unshippable(exc) from None
-    # From here the ranks replace what they hold; until the cell's end says what that is, the
-    # kernel counts on nothing (an interrupt anywhere after this ships everything next time).
-    pool.held = set()
-    t_packed = time.monotonic()
-    notebook = getattr(shell, "kernel", None) is not None
-    meta = {
-        "header": packed.header, "tree": ship_tree, "filename": compiled.filename, "source": compiled.source,
-        "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
-        "stateful": survey.stateful, "device_strings": survey.device_strings,
-        "return_names": survey.return_names, "filled": survey.filled, "arrays": survey.arrays,
-        "containers": survey.containers,
-        "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
-        "watched": survey.watched, "watched_if_kept": survey.watched_if_kept,
-        "set_attributes": survey.set_attributes,
-        "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
-        "seed": plan.seed if plan.seed is not None else draw_seed(),
-        "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
-        # a notebook kernel shows rich output: the ranks' tqdm bars are drawn as HTML (procs.tqdm_relay),
-        # and in launch mode rank 0 draws the frameworks' notebook progress
-        "notebook": notebook,
-        "launch": {**_launch_address(pool, plan), "notebook": notebook}
-        if launch else None,
-        "relays": relays.found,
-        "fsdp": shipment.config if shipment else None,
-        "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
-        "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
-                "grad_dtype": plan.grad_dtype, "compile": plan.compile},
-    }
-    results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output, relays)
-    t_ranks_done = time.monotonic()
-    payload, buffer = results[0]
-    # Writing the trained state back takes about as long as copying the model once; an interrupt
-    # meanwhile would leave some tensors trained and others not, so it waits for the end.
-    with interrupts_deferred() as interrupted:
-        state = _load(ns, pool, payload, buffer, survey, shipment,
-                      define=lambda names: define_in_notebook(ns, compiled.tree, compiled.filename, names))
-        if shipment is not None:
-            held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
-        defined, not_defined = state["defined_names"], state["not_defined"]
-        torch_settings.apply(state.get("torch_settings") or {})   # what the cell set: torch.set_default_dtype...
-        adopt_cell_classes(ns, state["made_names"] + state["object_names"], defined)
-        # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
-        pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
-    if interrupted:
-        note("%%dataparallel: interrupted while the trained state was written back into the notebook; the "
-             "write was finished first, so the notebook holds the whole result of the cell")
-        raise KeyboardInterrupt
+        ran = _ship_run_load(shell, plan, compiled, survey, pool, shipment, launch, (ship_tree, helper))
+    except BaseException:
+        if shipment is not None:   # however the cell ends, the optimizer's state is the notebook's own again
+            private_again(survey.optimizers, shipment)
+        raise
+    packed, results, started_at, state = ran.packed, ran.results, ran.started_at, ran.state
+    payload = results[0][0]
+    defined, not_defined = state["defined_names"], state["not_defined"]
+    t_packed, t_ranks_done = ran.t_packed, ran.t_ranks_done
     t_end = time.monotonic()
     started = started or cluster_formed
     pool_start = ((t_pool - t_before_pool) if started else 0.0) + t_cluster
@@ -260,6 +230,89 @@ def run_cell(shell, cell: str, plan: Plan, header: str = "%%dataparallel") -> Ce
         },
     )
     return _last
+
+
+@dataclass
+class _Ran:
+    """A cell the ranks ran, and its result loaded into the notebook."""
+    packed: Packed
+    results: list
+    started_at: dict
+    state: dict
+    t_packed: float
+    t_ranks_done: float
+
+
+def _ship_run_load(shell, plan: Plan, compiled, survey: CellSurvey, pool, shipment, launch: bool,
+                   ship: tuple) -> _Ran:
+    """Pack what the cell reads, run it on every rank, and load rank 0's result into the notebook."""
+    ns = shell.user_ns
+    ship_tree, helper = ship
+    relays = Relays()   # the notebook's loggers (a SummaryWriter) stay here; rank 0's calls come back to them
+    values = {n: ns[n] for n in survey.used}
+    values[GRADS_KEY] = notebook_grads(survey.modules, fsdp=shipment is not None, launch=launch)  # (rank's)
+    try:
+        packed, _ = pack_namespace(values, ns, targets=_tensor_targets(survey, "cpu" if shipment else "rank"),
+                                   held=pool.held, scratch=pool.outgoing,
+                                   share=shipment.share if shipment else None,
+                                   stand_ins=shipment.stand_ins if shipment else None,
+                                   stand_in_for=relays.stand_in_for)
+    except Unshippable as exc:
+        raise _unshippable(exc) from None
+    # From here the ranks replace what they hold; until the cell's end says what that is, the
+    # kernel counts on nothing (an interrupt anywhere after this ships everything next time).
+    pool.held = set()
+    t_packed = time.monotonic()
+    meta = _meta(shell, plan, compiled, survey, pool, packed, shipment, launch, ship_tree, helper, relays)
+    results, started_at = _run_on_pool(pool, meta, packed.data(), shell, plan.all_output, relays)
+    t_ranks_done = time.monotonic()
+    payload, buffer = results[0]
+    # Writing the trained state back takes about as long as copying the model once; an interrupt
+    # meanwhile would leave some tensors trained and others not, so it waits for the end.
+    with interrupts_deferred() as interrupted:
+        state = _load(ns, pool, payload, buffer, survey, shipment,
+                      define=lambda names: define_in_notebook(ns, compiled.tree, compiled.filename, names))
+        if shipment is not None:
+            held.keep(pool, state.get("stayed", []), [*survey.modules, *survey.optimizers], ns)
+        torch_settings.apply(state.get("torch_settings") or {})   # what the cell set: torch.set_default_dtype...
+        adopt_cell_classes(ns, state["made_names"] + state["object_names"], state["defined_names"])
+        # Every rank holds these tensors now; the notebook holds the same bytes (rank 0's).
+        pool.held = set.intersection(*(set(p["keys"]) for p, _ in results))
+    if interrupted:
+        note("%%dataparallel: interrupted while the trained state was written back into the notebook; the "
+             "write was finished first, so the notebook holds the whole result of the cell")
+        raise KeyboardInterrupt
+    return _Ran(packed, results, started_at, state, t_packed, t_ranks_done)
+
+
+def _meta(shell, plan: Plan, compiled, survey: CellSurvey, pool, packed, shipment, launch: bool, ship_tree,
+          helper, relays: Relays) -> dict:
+    """What every rank is told about the cell (beside the packed values)."""
+    notebook = getattr(shell, "kernel", None) is not None
+    return {
+        # (Flat: a deep cell's tree pickles without recursion, and unpickles as the tree)
+        "header": packed.header, "tree": Flat(ship_tree), "filename": compiled.filename, "source": compiled.source,
+        "modules": list(survey.modules), "optimizers": list(survey.optimizers), "loaders": list(survey.loaders),
+        "stateful": survey.stateful, "device_strings": survey.device_strings,
+        "return_names": survey.return_names, "filled": survey.filled, "arrays": survey.arrays,
+        "containers": survey.containers,
+        "assigned": survey.assigned, "deleted": names_deleted(compiled.tree),
+        "watched": survey.watched, "watched_if_kept": survey.watched_if_kept,
+        "set_attributes": survey.set_attributes,
+        "loop_targets": quiet_targets(compiled.tree),   # (a profiler bound by `with ... as` is not one)
+        "seed": plan.seed if plan.seed is not None else draw_seed(),
+        "flags": _backend_flags(), "all_output": plan.all_output, "placement": helper,
+        # a notebook kernel shows rich output: the ranks' tqdm bars are drawn as HTML (procs.tqdm_relay),
+        # and in launch mode rank 0 draws the frameworks' notebook progress
+        "notebook": notebook,
+        "launch": {**_launch_address(pool, plan), "notebook": notebook}
+        if launch else None,
+        "relays": relays.found,
+        "fsdp": shipment.config if shipment else None,
+        "shared": packed.shared,   # tensors sent by reference (shared memory): the fsdp models
+        "ddp": {"static_graph": plan.static_graph, "find_unused": plan.find_unused, "bucket_mb": plan.bucket_mb,
+                "grad_dtype": plan.grad_dtype, "compile": plan.compile},
+    }
 
 
 def _launch_address(pool, plan: Plan) -> dict:

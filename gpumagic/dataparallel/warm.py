@@ -22,6 +22,7 @@ Runs in the workers: no IPython.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ _MISSING = object()
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _OWN_STATE = ("_parameters", "_buffers", "_modules")   # compared and copied tensor by tensor
 _ADDED_BY_COMPILE = {"forward"}   # compile_forward's instance attribute
+_HEAP_TYPE = 1 << 9   # Py_TPFLAGS_HEAPTYPE: a class defined in Python, not in C
 
 
 @dataclass
@@ -303,7 +305,10 @@ def _plain(value) -> bool:
 
 def _same(a, b, seen: set | None = None) -> bool:
     """Whether ``a`` and ``b`` behave alike for compiled code: the same object, equal plain values
-    or tensors, or functions with the same code, defaults, closure and globals read."""
+    or tensors, functions with the same code, defaults, closure and globals read, partials and bound
+    methods holding alike things, or objects of Python classes with alike attributes. Anything else is
+    different unless it is the same object: a wrong "alike" runs stale compiled code, a wrong
+    "different" only compiles again."""
     if a is b:
         return True
     if type(a) is not type(b):
@@ -326,13 +331,40 @@ def _same(a, b, seen: set | None = None) -> bool:
         return all(_same(getattr(a, f), getattr(b, f), seen) for f in ("fget", "fset", "fdel"))
     if isinstance(a, types.FunctionType):
         return _same_function(a, b, seen)
+    if isinstance(a, functools.partial):   # its state is not in its __dict__: what it calls, and with what
+        return (_same(a.func, b.func, seen) and _same(a.args, b.args, seen)
+                and _same(a.keywords, b.keywords, seen) and _same(vars(a), vars(b), seen))
+    if isinstance(a, types.MethodType):    # (its __dict__ is its function's): the function and its object
+        return _same(a.__func__, b.__func__, seen) and _same(a.__self__, b.__self__, seen)
     if _is_tensor(a):   # a constant the code reads (a mean, a mask): the same values
         return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool((a == b).all())
-    if hasattr(a, "__dict__") and not isinstance(a, (type, types.ModuleType)):
+    if _state_in_attributes(type(a)):
         # an object the code reads (a config namespace, an activation module), shipped anew each
         # cell: alike when its attributes are
-        return _same(vars(a), vars(b), seen)
-    return False   # other objects: distinct objects are different
+        return _same(_attributes(a), _attributes(b), seen)
+    return False   # other objects (a C type's, whose state is not all in attributes): different when distinct
+
+
+def _state_in_attributes(cls) -> bool:
+    """Whether an instance's whole state is its ``__dict__`` and slots: every class of its MRO defined
+    in Python (a heap type), or a namespace. A C base (``dict``, ``functools.partial``, a bound method's
+    type) keeps state elsewhere, which comparing attributes would miss: when in doubt, different."""
+    if cls is types.SimpleNamespace:
+        return True
+    if issubclass(cls, (type, types.ModuleType)):   # classes and modules: by identity
+        return False
+    return all(c is object or c.__flags__ & _HEAP_TYPE for c in cls.__mro__)
+
+
+def _attributes(obj) -> dict:
+    """``obj``'s ``__dict__`` and the values of its slots (those set)."""
+    found = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__"):
+                found[f"slot {slot}"] = getattr(obj, slot, _MISSING)
+    return found
 
 
 def _is_tensor(value) -> bool:

@@ -230,8 +230,8 @@ class DataParallelMagics(Magics):
             stopped = cluster.stop_cluster()
             display.note(f"%%dataparallel: {stopped or 'no cluster in use'}")
             return None
-        self._only(args, "cluster start", {"engines", "nprocs", "profile"})
-        ranks = cluster.start_cluster(args.engines, args.nprocs, args.profile)
+        self._only(args, "cluster start", {"engines", "nprocs", "profile", "oversubscribe"})
+        ranks = cluster.start_cluster(args.engines, args.nprocs, args.profile, oversubscribe=args.oversubscribe)
         display.note(f"%%dataparallel: {ranks.source}; run cells with %%dataparallel --cluster")
         return None
 

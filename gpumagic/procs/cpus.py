@@ -51,8 +51,9 @@ def process_limit() -> int:
     return max(1, limit)
 
 
-def check_process_count(nprocs: int, oversubscribe: bool = False) -> str | None:
+def check_process_count(nprocs: int, oversubscribe: bool = False, flag: str = "--nprocs") -> str | None:
     """Refuse ``nprocs`` above :func:`process_limit` (unless ``oversubscribe``), before anything starts.
+    ``flag`` is how the magic's line names the count (``-n`` for ``cluster start``).
 
     Returns a warning to show where ``nprocs`` is above the usable cores, else None.
     """
@@ -60,11 +61,11 @@ def check_process_count(nprocs: int, oversubscribe: bool = False) -> str | None:
     limit = process_limit()
     if nprocs > limit and not oversubscribe:
         from ..errors import usage_error
-        raise usage_error(f"--nprocs {nprocs}: this machine has room for {limit} worker processes "
+        raise usage_error(f"{flag} {nprocs}: this machine has room for {limit} worker processes "
                           f"({cores} core(s), {PER_CORE} per core at most, about "
                           f"{WORKER_MEMORY >> 20} MiB of memory each); add --oversubscribe to start them anyway",
-                          [f"--nprocs {limit}", f"--nprocs {nprocs} --oversubscribe"])
+                          [f"{flag} {limit}", f"{flag} {nprocs} --oversubscribe"])
     if nprocs > cores:
         return (f"Warning: {nprocs} processes on {cores} CPU core(s): workers will compete for cores; "
-                f"--nprocs {physical_cores()} matches this machine")
+                f"{flag} {physical_cores()} matches this machine")
     return None

@@ -17,7 +17,7 @@ import pickle
 
 import cloudpickle
 
-__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook"]
+__all__ = ["RETURN_LIMIT", "NotReturnable", "pickled_for_notebook", "smaller_as_view"]
 
 RETURN_LIMIT = 256 * 2**20   # bytes of pickled objects one cell brings back, all together
 
@@ -51,17 +51,27 @@ class _Limited(io.BytesIO):
         super().__init__()
         self.limit = limit
 
+    def left(self) -> int:
+        return self.limit - self.tell()
+
     def write(self, b) -> int:
-        if self.tell() + memoryview(b).nbytes > self.limit:   # (protocol 5 writes PickleBuffers too)
-            raise NotReturnable(f"larger than the {self.limit >> 20} MB a cell brings back; save it from the cell")
+        if memoryview(b).nbytes > self.left():   # (protocol 5 writes PickleBuffers too)
+            raise self.too_large()
         return super().write(b)
+
+    def too_large(self) -> NotReturnable:
+        return NotReturnable(f"larger than the {self.limit >> 20} MB a cell brings back; save it from the cell")
 
 
 class _Pickler(cloudpickle.CloudPickler):
+    def __init__(self, file, *args, **kwargs):
+        super().__init__(file, *args, **kwargs)
+        self._sink = file
+
     def reducer_override(self, obj):
         import torch
         if isinstance(obj, torch.Tensor):
-            cpu = obj.detach().to("cpu", copy=obj.device.type == "cpu")   # a copy: not a view of the rank's
+            cpu = _on_cpu(obj.detach(), self._sink)
             if type(cpu) is not torch.Tensor:
                 raise NotReturnable(f"holds a {type(obj).__name__}")
             if isinstance(obj, torch.nn.Parameter):   # stays a Parameter (its data is reduced as above)
@@ -72,6 +82,33 @@ class _Pickler(cloudpickle.CloudPickler):
         if kind is not None:
             raise NotReturnable(f"holds {kind}, which stays in the ranks")
         return super().reducer_override(obj)
+
+
+def smaller_as_view(value) -> bool:
+    """Whether ``value`` is a tensor whose storage holds fewer bytes than its elements (an expanded mask):
+    it comes back as a view of a copy of that storage (:func:`pickled_for_notebook`), not densely."""
+    import torch
+    return (type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta
+            and value.untyped_storage().nbytes() < value.numel() * value.element_size())
+
+
+def _on_cpu(t, sink):
+    """A copy of ``t`` on the CPU (not a view of the rank's), as small as it can be: a view whose storage
+    is smaller than its elements (``torch.ones(1).expand(n, n)``, a mask) as the same view of a copy of
+    that storage; any other as its elements. Judged before anything is copied: where even the smaller
+    copy would not fit in what is left to bring back, :class:`NotReturnable` (a dense copy of an
+    expanded view can be many times the rank's memory)."""
+    import torch
+    if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
+        return t.to("cpu", copy=t.device.type == "cpu")   # (what cannot come back says so as it pickles)
+    dense = t.numel() * t.element_size()
+    storage = t.untyped_storage().nbytes()
+    if isinstance(sink, _Limited) and min(dense, storage) > sink.left():
+        raise sink.too_large()
+    if not smaller_as_view(t):
+        return t.to("cpu", copy=t.device.type == "cpu")
+    own = t.untyped_storage().clone() if t.device.type == "cpu" else t.untyped_storage().cpu()
+    return torch.empty(0, dtype=t.dtype).set_(own, t.storage_offset(), t.size(), t.stride())
 
 
 def _process_bound(obj) -> str | None:

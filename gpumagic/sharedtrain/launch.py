@@ -53,6 +53,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,6 +62,7 @@ from ..cell.definitions import define_in_notebook, definitions
 from ..cell.module_settings import apply_settings
 from ..cell.names import names_assigned, names_tree, notebook_names, used_names
 from ..cell.placement_workers import rewrite_for_cpu_workers
+from ..cell.trees import Flat, room_for
 from ..cell.values import find_loaders, find_modules, find_optimizers, instead_of_sending
 from ..cell.with_targets import quiet_targets
 from ..errors import usage_error
@@ -229,8 +231,9 @@ def _ship(method: str, ns: dict, used: list, loaders: dict, compiled, relays: Re
             advice = f"{instead_of_sending(name, value) or 'create it inside the cell'}, or use --start-method fork"
         raise usage_error(f"{name!r} ({type(value).__name__}) cannot be sent to spawned workers "
                           f"({type(error).__name__}: {error}); {advice}") from None
-    meta = {"header": packed.header, "shared": packed.shared, "tree": compiled.tree, "filename": compiled.filename,
-            "relays": relays.found}
+    # (Flat: a deep cell's tree pickles without recursion, and unpickles as the tree)
+    meta = {"header": packed.header, "shared": packed.shared, "tree": Flat(compiled.tree),
+            "filename": compiled.filename, "relays": relays.found}
     return meta, outgoing.handle(packed.data()), outgoing
 
 
@@ -281,7 +284,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         result.history.series("loss")
     """
     __tracebackhide__ = True
-    import torch.multiprocessing  # registers torch's shared-memory reductions (and binds torch)
+    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions
 
     started = time.monotonic()
     shell, ns = _shell_and_ns(target)
@@ -291,9 +294,66 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     check_seed(seed, offset=nprocs)
     compiled = compile_cell(shell, cell, header=header) if shell is not None else \
         compile_plain(cell, header, label="sharedtrain")
+    # (what reads the cell walks its tree recursively: a deep cell needs room; not while workers fork)
+    with room_for(compiled.tree):
+        ready = _prepare(shell, ns, compiled, _Asked(nprocs, model, device, start_method, seed, crowded, started))
+    result = ready.result
+    try:
+        _run_workers(result, ready.meta, ready.data, ready.outgoing, progress, output, ready.relays)
+    finally:
+        if ready.fork_server == "after":
+            forkserver.start_in_background(list(FORKSERVER_PRELOAD))
+    if ready.definable:
+        defined, not_defined = define_in_notebook(ns, ready.written, compiled.filename, ready.definable)
+        if defined:
+            result.notes.append(f"defined in the notebook too, as after a plain cell: {', '.join(defined)}")
+        if not_defined:
+            result.notes.append(f"not defined in the notebook: {'; '.join(not_defined)}")
+    return result
+
+
+@dataclasses.dataclass
+class _Asked:
+    """What train_shared was asked for, checked."""
+    nprocs: int
+    model: str | None
+    device: str | None
+    start_method: str | None
+    seed: int | None
+    crowded: str | None
+    started: float
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A cell ready for its workers: what they get, and what the kernel does after them."""
+    result: SharedTrainResult
+    meta: dict
+    data: Any
+    outgoing: Any
+    relays: Relays
+    fork_server: str | None
+    definable: list
+    written: Any   # the tree as the user wrote it: what the kernel defines again
+
+
+def _definable(tree, assigned: set, notes: list) -> list:
+    """The def, class and import statements' names, which run again in the kernel after the workers;
+    the other names the cell binds stay in the workers, and a note says so."""
+    definable = [n for n in definitions(tree) if n in assigned]
+    kept_in_workers = [n for n in names_assigned(tree) if n not in set(quiet_targets(tree)) and n not in definable]
+    if kept_in_workers:
+        notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
+                     "report(name=value) sends values back (sharedtrain.history)")
+    return definable
+
+
+def _prepare(shell, ns: dict, compiled, asked: _Asked) -> _Prepared:
+    """What the cell trains and reads, how its workers start, and what they are sent."""
     refuse_shell_calls(compiled.tree, "%%sharedtrain")
     used = notebook_names(used_names(compiled.tree, ns), ns, getattr(shell, "user_ns_hidden", {}))
     probe = names_tree(used)
+    model, device, nprocs = asked.model, asked.device, asked.nprocs
     if device is not None:
         resolve_device(device, {})   # a bad --device is said first: the model may be missing only because of it
     modules = find_modules(probe, ns, [model] if model else None, required=False)
@@ -302,27 +362,21 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     check_trainable(modules, ns, set(names_assigned(compiled.tree)))
     unused_model = model if model and model not in used else None
     device_name, move = resolve_device(device, modules)
-    method, reason, fork_server = choose_method(start_method, device_name, nprocs)
+    method, reason, fork_server = choose_method(asked.start_method, device_name, nprocs)
     if fork_server == "now":
         forkserver.start_in_background(list(FORKSERVER_PRELOAD))
-    notes = [crowded] if crowded else []
-    if crowded:
+    notes = [asked.crowded] if asked.crowded else []
+    if asked.crowded:
         from ..display import note
-        note(crowded)
+        note(asked.crowded)
     loaders = _loaders(probe, ns, notes)
     if unused_model:
         read = [n for n in used if isinstance(ns.get(n), torch.nn.Module)]
         notes.append(f"--model {unused_model}: the cell does not use {unused_model}, so nothing trains it"
                      + (f"; what it trains of {', '.join(read)} stays in the workers (--model {read[0]} shares "
                         "it)" if read else ""))
-    # def, class and import statements run again in the kernel after the workers; other names stay there
     assigned = set(names_assigned(compiled.tree))
-    definable = [n for n in definitions(compiled.tree) if n in assigned]
-    kept_in_workers = [n for n in names_assigned(compiled.tree)
-                       if n not in set(quiet_targets(compiled.tree)) and n not in definable]
-    if kept_in_workers:
-        notes.append(f"bound in the workers only, each its own, gone with them: {', '.join(kept_in_workers)}; "
-                     "report(name=value) sends values back (sharedtrain.history)")
+    definable = _definable(compiled.tree, assigned, notes)
     optimizers = find_optimizers(probe, ns, modules)
     optimizers.update(held_optimizers(ns, used, modules, optimizers))   # opts['g'] in a notebook dict
     # where the workers find modules and optimizers kept in a notebook list or dict
@@ -331,7 +385,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
 
     strategy, sharing_notes = _share(modules, optimizers, device_name, move)
     notes += sharing_notes
-    seed = draw_seed() if seed is None else int(seed)
+    seed = draw_seed() if asked.seed is None else int(asked.seed)
     placement = None
     written = compiled.tree   # as the user wrote it: what the kernel defines again
     if device_name == "cpu":   # CPU workers run code written for .cuda() there (the %%ondevice rewrite)
@@ -339,7 +393,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
         compiled = dataclasses.replace(compiled, tree=tree)
     relays = Relays()
     meta, data, outgoing = _ship(method, ns, used, loaders, compiled, relays)
-    meta.update({"method": method, "t0": started, "seed": seed, "device": device_name, "all_output": True,
+    meta.update({"method": method, "t0": asked.started, "seed": seed, "device": device_name, "all_output": True,
                  "notebook": getattr(shell, "kernel", None) is not None,   # (tqdm bars as HTML: procs.tqdm_relay)
                  "placement": placement,
                  "set_device_name": device is not None,
@@ -354,18 +408,7 @@ def train_shared(target, cell: str, *, nprocs: int | None = None, model: str | N
     result = SharedTrainResult(modules=modules, nprocs=nprocs, start_method=method, start_reason=reason,
                                device=device_name, seed=seed, sharing_strategy=strategy, history=History(nprocs),
                                workers=[WorkerStats(rank=r) for r in range(nprocs)], notes=notes)
-    try:
-        _run_workers(result, meta, data, outgoing, progress, output, relays)
-    finally:
-        if fork_server == "after":
-            forkserver.start_in_background(list(FORKSERVER_PRELOAD))
-    if definable:
-        defined, not_defined = define_in_notebook(ns, written, compiled.filename, definable)
-        if defined:
-            result.notes.append(f"defined in the notebook too, as after a plain cell: {', '.join(defined)}")
-        if not_defined:
-            result.notes.append(f"not defined in the notebook: {'; '.join(not_defined)}")
-    return result
+    return _Prepared(result, meta, data, outgoing, relays, fork_server, definable, written)
 
 
 def _run_workers(result: SharedTrainResult, meta: dict, data, outgoing, progress, output, relays: Relays) -> None:

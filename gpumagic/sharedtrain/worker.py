@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
 from ..cell.placement_workers import bind_placement
+from ..cell.trees import room_for, shipped
 from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings
 from ..procs.compile_settings import apply_compile_settings
@@ -228,7 +229,9 @@ def _namespace(meta: dict, data, stand_ins: dict) -> tuple[dict, CodeType]:
     ns, _ = unpack_namespace(meta["header"], data, device=meta["device"], views_from=LARGE_TENSOR_BYTES,
                              shared=meta["shared"], stand_ins=stand_ins)
     ns.update({"__name__": "__main__", "__builtins__": builtins})
-    return ns, compile(meta["tree"], meta["filename"], "exec")
+    tree = shipped(meta["tree"])
+    with room_for(tree):   # (a deep cell, which the kernel took, compiles here too)
+        return ns, compile(tree, meta["filename"], "exec")
 
 
 def _named(ns: dict, name: str, held: dict):
