@@ -7,6 +7,8 @@ import sys
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["NA", "widgets_supported", "fmt_bytes", "text_table", "html_table", "Rendered", "note", "show"]
+
 NA = "n/a"
 
 
@@ -81,3 +83,12 @@ class Rendered:
 def note(message: str) -> None:
     """A short note for the user (stderr, so it never becomes a cell's value)."""
     print(message, file=sys.stderr)
+
+
+def show(shell, result) -> None:
+    """``result`` (a report with ``_repr_html_`` and ``text()``) as HTML in a notebook, as text in a terminal."""
+    if widgets_supported(shell):
+        from IPython.display import display
+        display(result)
+    else:
+        print(result.text())

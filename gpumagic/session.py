@@ -7,6 +7,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+__all__ = ["picked_device", "set_picked_device", "on_device_change", "register_closer", "unregister_closer",
+           "close_all"]
+
 _lock = threading.Lock()
 _picked: str | None = None          # canonical device string, e.g. "cuda:1"
 _listeners: list[Callable[[str | None], None]] = []

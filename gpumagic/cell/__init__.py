@@ -6,3 +6,4 @@
 
 Nothing here imports IPython's shell: the shell is passed in where needed.
 """
+__all__: list[str] = []

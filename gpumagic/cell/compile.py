@@ -31,7 +31,8 @@ from .trees import MAX_DEPTH, depth, room_for
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledCell", "compile_cell", "compile_plain", "run_compiled", "register_source", "is_empty",
-           "cell_label", "is_cell", "remember_cells_of", "shell_calls", "refuse_shell_calls", "refuse_too_deep"]
+           "cell_label", "is_cell", "remember_cells_of", "shell_calls", "refuse_shell_calls", "refuse_too_deep",
+           "refuse_top_level_await"]
 
 # IPython's own name for a cell (IPython.core.compilerop.code_name), which carries its number.
 _INPUT_NAME = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")

@@ -12,6 +12,8 @@ import logging
 from .. import session
 from ..procs import bytecode
 
+__all__ = ["MAGIC_CLASSES", "register", "unregister"]
+
 logger = logging.getLogger(__name__)
 
 # (module, class) for every magic class.

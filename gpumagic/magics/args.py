@@ -6,6 +6,8 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
+__all__ = ["split", "parse", "oversubscribe"]
+
 #: ``--oversubscribe``, for the magics that start worker processes.
 oversubscribe = argument(
     "--oversubscribe", action="store_true",

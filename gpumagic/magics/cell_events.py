@@ -32,8 +32,8 @@ def show_oom_report(shell, result) -> None:
         return
     finally:
         del error
-    from .memory import _show
-    _show(shell, report)
+    from ..display import show
+    show(shell, report)
 
 
 class _Handlers:

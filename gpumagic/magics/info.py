@@ -9,6 +9,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from .. import display, session
 from .args import parse
 
+__all__ = ["InfoMagics", "render_report", "shown_device"]
+
 # (label, key, formatter) rows of the table; devices are its columns.
 _B = display.fmt_bytes
 UTILISATION = "utilisation (time busy)"

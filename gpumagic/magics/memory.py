@@ -11,6 +11,8 @@ from .. import display
 from ..errors import UsageError, usage_error
 from .args import parse
 
+__all__ = ["MemoryMagics", "memory_devices", "check_args", "watch", "gpu_processes"]
+
 _ACTIONS: tuple[str, ...] = ("--watch", "--stop", "--vars", "--free", "--rescue", "--cells", "--park", "--unpark",
                              "--who", "--reclaim")
 MIN_INTERVAL = 0.05   # seconds: faster than 20 readings a second only burns the kernel's CPU
@@ -87,11 +89,7 @@ def _report(shell, result, as_json: bool) -> dict | None:
 
 def _show(shell, result) -> None:
     """HTML in a notebook, text in a terminal."""
-    if display.widgets_supported(shell):
-        from IPython.display import display as show
-        show(result)
-    else:
-        print(result.text())
+    display.show(shell, result)
 
 
 def watch(shell, device: str | None, gpus, interval: float, hung: str | None = None):

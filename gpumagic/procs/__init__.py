@@ -16,3 +16,4 @@
 Modules a worker imports (worker, wire, bulk, tensor_cache, failures, teardown,
 loader_workers, loaders, seeding) import neither IPython nor the kernel's side of gpumagic.
 """
+__all__: list[str] = []

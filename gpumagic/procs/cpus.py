@@ -6,7 +6,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["usable_cpus", "physical_cores"]
+__all__ = ["usable_cpus", "physical_cores", "process_limit", "check_process_count"]
 
 
 def usable_cpus() -> int:

@@ -62,7 +62,8 @@ from .tensor_cache import LARGE_TENSOR_BYTES, TensorStore, fingerprint_keys, is_
 if TYPE_CHECKING:
     from .bulk import Outgoing
 
-__all__ = ["Packed", "pack", "unpack", "pack_namespace", "unpack_namespace", "Unshippable", "LARGE_TENSOR_BYTES"]
+__all__ = ["Packed", "TensorSpec", "pack", "unpack", "pack_namespace", "unpack_namespace", "Unshippable",
+           "LARGE_TENSOR_BYTES"]
 
 _ALIGN = 64                   # every tensor starts on a 64-byte boundary in the buffer
 _GLOBALS_KEY = "__gpumagic_globals__"

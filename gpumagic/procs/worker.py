@@ -48,7 +48,7 @@ from .tqdm_relay import notebook_bars, relay_bars
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerConfig", "WorkerContext", "worker_main"]
+__all__ = ["WorkerConfig", "WorkerContext", "ForwardedStream", "worker_main"]
 
 
 @dataclass

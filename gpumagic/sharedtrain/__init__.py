@@ -8,3 +8,4 @@
 
 The processes themselves are :mod:`gpumagic.procs`.
 """
+__all__: list[str] = []

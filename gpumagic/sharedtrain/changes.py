@@ -31,7 +31,7 @@ from ..cell.values import is_stateful
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["watched_names", "fingerprint", "changed_names"]
+__all__ = ["watched_names", "fingerprint", "changed_names", "snapshot"]
 
 _CONTAINERS = (list, tuple, set, frozenset, dict, collections.deque, bytearray)
 _NAMESPACES = (argparse.Namespace, types.SimpleNamespace)

@@ -37,7 +37,7 @@ from ..procs.seeding import seed_all
 from .changes import changed_names, snapshot
 from .sharing import match_optimizer_devices, private_state
 
-__all__ = ["train", "TASK", "Channel"]
+__all__ = ["train", "TASK", "Channel", "leave_kernels_loader_workers"]
 
 TASK = "gpumagic.sharedtrain.worker:train"
 FLUSH_INTERVAL = 0.5       # seconds between a worker's messages to the kernel
