@@ -8,7 +8,7 @@ import textwrap
 import torch
 import torch.nn as nn
 
-from gpumagic.cell.placement import HELPER, Placement, rewrite_placement
+from gpumagic.cell.rewrite.helper import HELPER, Placement, rewrite_placement
 from tests.conftest import run_cell
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

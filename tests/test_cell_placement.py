@@ -20,7 +20,8 @@ from gpumagic.cell.device_values import (
     stand_in,
     stands_for_cell_device,
 )
-from gpumagic.cell.placement import (
+from gpumagic.cell.rewrite.cuda_calls import HostEvent, HostStream, NoCudaAnswer
+from gpumagic.cell.rewrite.helper import (
     HELPER,
     LEGACY_TYPES,
     Placement,
@@ -33,7 +34,6 @@ from gpumagic.cell.placement import (
     passthrough,
     rewrite_placement,
 )
-from gpumagic.cell.placement_cuda import HostEvent, HostStream, NoCudaAnswer
 
 TARGETS = ["cpu", "meta"]
 DTYPES = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpumagic import session
-from gpumagic.cell.placement import HELPER, helper_name
+from gpumagic.cell.rewrite.helper import HELPER, helper_name
 from gpumagic.devices import visible_gpus
 from gpumagic.errors import UsageError
 from tests.conftest import run_cell

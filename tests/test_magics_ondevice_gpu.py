@@ -387,7 +387,7 @@ def test_time_counts_work_the_cell_queued_on_its_own_stream(shell, made):
         pytest.fail(f"printed {events_s * 1e3:.2f} ms (events), {wall_s * 1e3:.2f} ms (wall); "
                     f"reference {reference * 1e3:.2f} ms")
     assert shell.user_ns["s"].query() is True                 # its work finished before the report
-    from gpumagic.cell import placement_cuda
+    from gpumagic.cell.rewrite import cuda_calls as placement_cuda
     assert placement_cuda._watchers == []                    # nothing collected after the cell
     # A cell on the current stream only says nothing of side streams.
     _, out = ok(shell, "%%ondevice cuda:0 --time\ntorch.cuda._sleep(cycles)\n")

@@ -220,7 +220,7 @@ f = torch.load({on0!r}, map_location={{}})
 
 
 def test_a_dict_map_location_maps_every_cuda_location():
-    from gpumagic.cell.placement import Placement
+    from gpumagic.cell.rewrite.helper import Placement
     mapped = Placement("meta").map({"cuda:1": "cuda:0", "cuda:2": "cpu", "cpu": 0})
     assert isinstance(mapped, dict) and dict(mapped) == {"cuda:1": "meta", "cuda:2": "cpu", "cpu": "meta"}
     assert mapped.get("cuda:0", "cuda:0") == "meta" and mapped.get("cuda", "cuda") == "meta"

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from gpumagic.cell.placement_methods import rewritten
+from gpumagic.cell.rewrite.methods import rewritten
 from gpumagic.devices import visible_gpus
 from tests.conftest import run_cell
 from tests.placement_helpers import cell_ok

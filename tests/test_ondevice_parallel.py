@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.parallel.scatter_gather as scatter_gather
 
-from gpumagic.cell.placement import HELPER, Placement, rewrite_placement
+from gpumagic.cell.rewrite.helper import HELPER, Placement, rewrite_placement
 from tests.conftest import run_cell
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gpumagic.cell import placement_placed
-from gpumagic.cell.placement import HELPER, rewrite_placement
-from gpumagic.cell.placement_placed import forget_all, remember, remembered
+from gpumagic.cell.rewrite import placed as placement_placed
+from gpumagic.cell.rewrite.helper import HELPER, rewrite_placement
+from gpumagic.cell.rewrite.placed import forget_all, remember, remembered
 from tests.placement_helpers import cell_ok, run_rewritten
 
 run = run_rewritten

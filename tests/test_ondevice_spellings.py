@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from gpumagic.cell.device_values import DeviceName, settle, stand_in, stands_for_cell_device
-from gpumagic.cell.placement import HELPER, LEGACY_TYPES, Placement, made_for, rewrite_placement
-from gpumagic.cell.placement_magics import rewrite_magic_code
+from gpumagic.cell.rewrite.helper import HELPER, LEGACY_TYPES, Placement, made_for, rewrite_placement
+from gpumagic.cell.rewrite.magics import rewrite_magic_code
 from gpumagic.devices import visible_gpus
 from tests.placement_helpers import cell_ok, run_rewritten
 
@@ -182,7 +182,7 @@ def test_a_typed_tensor_alias_follows_where_it_runs_and_pickles():
 
 
 def helper_name_of(placement) -> str:
-    from gpumagic.cell.placement import helper_name
+    from gpumagic.cell.rewrite.helper import helper_name
     return helper_name(placement.made_for)
 
 

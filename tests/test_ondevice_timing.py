@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from gpumagic.cell import placement_cuda
-from gpumagic.cell.placement import Placement
-from gpumagic.cell.placement_cuda import HostStream, unwatch_streams, watch_streams
+from gpumagic.cell.rewrite import cuda_calls as placement_cuda
+from gpumagic.cell.rewrite.cuda_calls import HostStream, unwatch_streams, watch_streams
+from gpumagic.cell.rewrite.helper import Placement
 from gpumagic.ondevice.timing import CellTimer
 
 

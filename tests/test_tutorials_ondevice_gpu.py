@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpumagic.cell.device_values import DeviceName
-from gpumagic.cell.placement_cuda import HostStream
+from gpumagic.cell.rewrite.cuda_calls import HostStream
 from gpumagic.dataparallel.plan import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell

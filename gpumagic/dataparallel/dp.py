@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..cell import compile as cells
-from ..cell.placement import PlacementRewriter, follow, helper_name, made_for
+from ..cell.rewrite.helper import PlacementRewriter, follow, helper_name, made_for
 from ..cell.values import find_modules
 from ..display import note
 from .plan import Plan

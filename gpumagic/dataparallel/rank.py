@@ -21,7 +21,7 @@ import time
 
 from ..cell.compile import register_source
 from ..cell.main_module import main_is_cell
-from ..cell.placement_workers import bind_placement
+from ..cell.rewrite.workers import bind_placement
 from ..cell.trees import copy_tree, room_for, shipped
 from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings

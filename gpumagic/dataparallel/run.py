@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ..cell.compile import compile_cell, refuse_shell_calls
 from ..cell.definitions import define_in_notebook
 from ..cell.names import names_deleted
-from ..cell.placement_workers import rewrite_for_cpu_workers
+from ..cell.rewrite.workers import rewrite_for_cpu_workers
 from ..cell.trees import Flat, room_for
 from ..cell.values import instead_of_sending
 from ..cell.with_targets import quiet_targets

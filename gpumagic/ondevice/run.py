@@ -3,13 +3,13 @@
 :func:`run_on_device` compiles the cell the way IPython does (so the value of
 its last expression comes back, other AST transformers apply, and tracebacks
 show ``Cell In[n], line k`` with the user's source), rewrites CUDA-specific
-placement to follow the device (:mod:`gpumagic.cell.placement`), runs it
+placement to follow the device (:mod:`gpumagic.cell.rewrite`), runs it
 with the device current, and puts everything back afterwards: torch's
 default device, the current CUDA device and the current stream are what they
 were before, whether the cell succeeded or raised. Afterwards the device
 values the cell bound hold the device (``'cuda'`` becomes ``'cpu'`` after a
 cell on cpu: :mod:`gpumagic.cell.device_values`), and functions defined in it
-keep following a device wherever they run (:mod:`gpumagic.cell.placement`).
+keep following a device wherever they run (:mod:`gpumagic.cell.rewrite`).
 ``--move`` is :mod:`.moves`; ``--stream`` and ``--time`` are :mod:`.streams`
 and :mod:`.timing`.
 
@@ -36,7 +36,7 @@ from .. import devices
 from ..cell.compile import compile_cell, is_empty, run_compiled
 from ..cell.device_values import settle, settle_note
 from ..cell.names import names_assigned
-from ..cell.placement import PlacementRewriter, follow, helper_name, made_for, modules_on
+from ..cell.rewrite.helper import PlacementRewriter, follow, helper_name, made_for, modules_on
 from ..errors import usage_error
 from .moves import DryRunMoves, Moved, apply_moves, move_note, plan_moves
 from .streams import SideStream, side_stream
@@ -200,7 +200,7 @@ class _CellScope:
 
     ``enter()`` makes the device current, binds the cell's helper name (for
     good: functions made in the cell use it later, see
-    :mod:`gpumagic.cell.placement`), makes every function made in a
+    :mod:`gpumagic.cell.rewrite`), makes every function made in a
     ``%%ondevice`` cell follow the device, and places modules built during the
     cell (or, without the rewrite, makes the device torch's default);
     ``exit()`` undoes the rest and restores :class:`_DeviceState`, whether the

@@ -9,7 +9,7 @@ wall time until the device finished, and when the Python code returned.
 Work the cell queued on streams of its own (``s = torch.cuda.Stream()``,
 ``with torch.cuda.stream(s):``) counts in the events' time too: the end event
 is recorded after the cell's stream waits for those streams, which the
-placement collects (:func:`~gpumagic.cell.placement_cuda.watch_streams`). A
+placement collects (:func:`~gpumagic.cell.rewrite.cuda_calls.watch_streams`). A
 stream only code outside the rewrite uses is not seen; the wall time, which
 waits for every stream of the device, still covers it.
 Time torch.compile spent compiling in the cell is said apart: it is in every
@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..cell.placement_cuda import unwatch_streams, watch_streams
+from ..cell.rewrite.cuda_calls import unwatch_streams, watch_streams
 
 __all__ = ["Timing", "CellTimer"]
 

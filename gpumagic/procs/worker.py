@@ -312,7 +312,7 @@ def _start_up(config: WorkerConfig) -> dict:
             "pgid": os.getpgrp()}
     if config.threads:
         torch.set_num_threads(config.threads)
-    from ..cell.placement import follow_process
+    from ..cell.rewrite.helper import follow_process
     follow_process(device)   # functions made under %%ondevice, and their device values, mean this device here
     if device.startswith("cuda"):
         index = int(device.split(":")[1]) if ":" in device else 0

@@ -61,7 +61,7 @@ from ..cell.compile import compile_cell, compile_plain, is_empty, refuse_shell_c
 from ..cell.definitions import define_in_notebook, definitions
 from ..cell.module_settings import apply_settings
 from ..cell.names import names_assigned, names_tree, notebook_names, used_names
-from ..cell.placement_workers import rewrite_for_cpu_workers
+from ..cell.rewrite.workers import rewrite_for_cpu_workers
 from ..cell.trees import Flat, room_for
 from ..cell.values import find_loaders, find_modules, find_optimizers, instead_of_sending
 from ..cell.with_targets import quiet_targets

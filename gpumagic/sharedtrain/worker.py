@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from ..cell.main_module import main_is_cell
 from ..cell.module_settings import module_settings
-from ..cell.placement_workers import bind_placement
+from ..cell.rewrite.workers import bind_placement
 from ..cell.trees import room_for, shipped
 from ..memory.oom import reporting_out_of_memory
 from ..procs import torch_settings

@@ -6,10 +6,10 @@ the bare ``torch.cuda.FloatTensor``) and the ``torch.cuda`` calls go through
 one helper name (so do ``getattr(x, 'cuda')``, ``torch.Tensor.cuda`` and ``x.cuda`` taken as values,
 and a ``torch.load`` without ``map_location``), and gives factories an explicit ``device=`` (what a factory or ``nn``
 layer makes on a device it is given goes through ``on_cuda``/``factory``, so that a CPU
-target can remember it as on CUDA: :mod:`.placement_placed`); the code of
+target can remember it as on CUDA: :mod:`.placed`); the code of
 ``%time``/``%timeit``/``%prun`` inside the cell is rewritten the same way
-(:mod:`.placement_magics`); :mod:`gpumagic.cell.placement` explains what each
-rewritten spot means and holds the :class:`~gpumagic.cell.placement.Placement`
+(:mod:`.magics`); :mod:`.helper` explains what each
+rewritten spot means and holds the :class:`~gpumagic.cell.rewrite.helper.Placement`
 object the helper name is bound to. Nothing here imports torch.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import ast
 import sys
 from types import ModuleType
 
-from .placement_magics import rewrite_magic_call
-from .placement_names import lookup, takes_device
-from .placement_parallel import PARALLEL_CALLS
+from .magics import rewrite_magic_call
+from .names import lookup, takes_device
+from .parallel import PARALLEL_CALLS
 
 __all__ = ["HELPER", "LEGACY_TYPES", "FACTORIES", "LIKE_FACTORIES", "PlacementRewriter", "rewrite_placement",
            "is_cuda_name", "is_cuda_type_name", "lookup"]
@@ -52,7 +52,7 @@ _MAY_ALIAS = frozenset({"torch.as_tensor", "torch.asarray"})
 _NO_DEVICE_WITH = frozenset({"device", "out", "generator", "pin_memory", None})
 
 # ``torch.cuda`` and ``torch.accelerator`` calls -> the helper method that answers them. The original
-# function is passed first; what each call means on DEVICE is in gpumagic.cell.placement_cuda.
+# function is passed first; what each call means on DEVICE is in gpumagic.cell.rewrite.cuda_calls.
 _QUERIES = ("get_device_name", "get_device_properties", "get_device_capability", "mem_get_info", "get_memory_info",
             "memory_allocated", "memory_reserved", "memory_cached", "max_memory_allocated", "max_memory_reserved",
             "max_memory_cached", "memory_stats", "memory_summary", "empty_cache", "empty_host_cache",
@@ -78,7 +78,7 @@ _CUDA_CALLS = {
     "torch.cuda.amp.autocast": "amp_cuda_autocast", "torch.cuda.amp.GradScaler": "amp_cuda_scaler",
     # A name one of the two lacks still fails as written: the original is looked up first.
     **{f"torch.{api}.{n}": "query" for api in ("cuda", "accelerator") for n in _QUERIES},
-    # replicate / scatter / parallel_apply / gather, nn.DataParallel: on one device (placement_parallel).
+    # replicate / scatter / parallel_apply / gather, nn.DataParallel: on one device (parallel).
     **PARALLEL_CALLS,
 }
 _ACCELERATOR = "torch.accelerator.current_accelerator"
@@ -282,41 +282,46 @@ class PlacementRewriter(ast.NodeTransformer):
         folded = self._fold(node)
         if folded is not None:
             return folded
-        func = node.func
-        name = self._dotted(func)
-        # ``torch.cuda.FloatTensor(...)`` and ``x.type(torch.cuda.HalfTensor)`` are rewritten as calls.
-        if name in _LEGACY_CUDA:
-            self._kept.add(id(func))
-        elif isinstance(func, ast.Attribute) and func.attr == "type" and len(node.args) == 1 \
-                and self._is_cuda_type(node.args[0]):
-            self._kept.add(id(node.args[0]))
+        name = self._dotted(node.func)
+        self._keep_cuda_types(node, name)
         magic = self._magic(node)
         if magic is not None:
             return magic
-        if isinstance(func, ast.Attribute) and func.attr in _METHOD_VALUES:
-            self._called.add(id(func))
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _METHOD_VALUES:
+            self._called.add(id(node.func))
         if self._getattr_method(node):
             self.generic_visit(node)
             return self._call("method", node.args, [], node)
         self.generic_visit(node)
         func = node.func
         # ``.to(device=...)`` maps its own device keyword, seeing what the user asked for (Placement.to).
-        if name is not None:
-            to_call = _UNBOUND.get(name) == "to"
-        else:
-            to_call = isinstance(func, ast.Attribute) and func.attr == "to"
+        to_call = _UNBOUND.get(name) == "to" if name is not None else \
+            isinstance(func, ast.Attribute) and func.attr == "to"
         # What a factory, ``nn`` layer or typed constructor makes on a device it is given is remembered
-        # as on CUDA when that device is (gpumagic.cell.placement_placed); they see the device as written.
+        # as on CUDA when that device is (gpumagic.cell.rewrite.placed); they see the device as written.
         own = name is not None and self._kw(node, "device") is not None and (
             name in _LEGACY_CUDA or name in _LEGACY_CPU or name in FACTORIES or name in LIKE_FACTORIES
             or (name.startswith("torch.nn.") and takes_device(name)))
         if not to_call:
             self._rewrite_keywords(node, device=not own)
-
-        if name is None and isinstance(func, ast.Attribute):
-            return self._method(node, func)
         if name is None:
-            return node
+            return self._method(node, func) if isinstance(func, ast.Attribute) else node
+        return self._named_call(node, name, own)
+
+    def _keep_cuda_types(self, node: ast.Call, name: str | None) -> None:
+        """``torch.cuda.FloatTensor(...)`` and ``x.type(torch.cuda.HalfTensor)`` are rewritten as calls: their
+        CUDA type names are kept as they are written."""
+        func = node.func
+        if name in _LEGACY_CUDA:
+            self._kept.add(id(func))
+        elif isinstance(func, ast.Attribute) and func.attr == "type" and len(node.args) == 1 \
+                and self._is_cuda_type(node.args[0]):
+            self._kept.add(id(node.args[0]))
+
+    def _named_call(self, node: ast.Call, name: str, own: bool):
+        """A call of a torch name (``torch.device(...)``, a factory, a ``torch.cuda`` call...), rewritten;
+        ``own``: a maker given a device of its own (:meth:`_made_on`)."""
+        func = node.func
         if name in _UNBOUND and node.args:
             return self._call(_UNBOUND[name], node.args, node.keywords, node)
         if name == "torch.device":
@@ -335,19 +340,23 @@ class PlacementRewriter(ast.NodeTransformer):
             if not any(k.arg in _NO_DEVICE_WITH for k in node.keywords):
                 self._add_device(node)
             return node
+        self._map_locations(node, name)
+        return node
+
+    def _map_locations(self, node: ast.Call, name: str) -> None:
+        """``torch.set_default_device(d)`` and ``torch.load(f, map_location)`` map their device; a ``torch.load``
+        without one loads onto DEVICE (a checkpoint saved on a GPU would come back on that GPU)."""
         if name == "torch.set_default_device" and node.args:
             node.args[0] = ast.copy_location(ast.Call(self._h("map"), [node.args[0]], []), node.args[0])
         elif name == "torch.load" and len(node.args) > 1:
             node.args[1] = ast.copy_location(ast.Call(self._h("map"), [node.args[1]], []), node.args[1])
         elif name == "torch.load" and not any(k.arg is None for k in node.keywords):
-            # Without a map_location a checkpoint saved on a GPU comes back on that GPU: here, DEVICE.
             given = self._kw(node, "map_location")
             value = ast.copy_location(self._h("load_location"), node)
             if given is None:
                 node.keywords.append(ast.copy_location(ast.keyword(arg="map_location", value=value), node))
             elif isinstance(given.value, ast.Constant) and given.value.value is None:
                 given.value = value
-        return node
 
     def _getattr_method(self, node: ast.Call) -> bool:
         """``getattr(x, 'cuda')`` or ``getattr(x, 'to', None)``, with the builtin ``getattr``."""

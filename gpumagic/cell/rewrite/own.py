@@ -24,7 +24,7 @@ import textwrap
 import types
 import weakref
 
-from .placement_rewrite import PlacementRewriter
+from .transform import PlacementRewriter
 
 __all__ = ["notebook_function", "rebuilt"]
 

@@ -9,7 +9,7 @@ The seed article shows what ``nn.DataParallel`` does inside::
 
 torch builds these on CUDA's broadcast, scatter and gather, which refuse other
 devices (``AssertionError: Broadcast function not implemented for CPU
-tensors``). The rewrite (:mod:`.placement_rewrite`) turns each call into
+tensors``). The rewrite (:mod:`.transform`) turns each call into
 ``H.dp_replicate(nn.parallel.replicate, module, device_ids)`` and so on
 (:data:`PARALLEL_CALLS`); on a CUDA target, or with no target, the original
 function runs unchanged. On cpu, meta or mps, :class:`ParallelCalls` does the
@@ -49,7 +49,7 @@ import warnings
 from collections import OrderedDict
 from typing import Any
 
-from .placement_part import PlacementPart
+from .part import PlacementPart
 
 __all__ = ["PARALLEL_CALLS", "ParallelCalls"]
 
@@ -157,13 +157,7 @@ class ParallelCalls(PlacementPart):
     def _replicate(self, network, devices, detach: bool = False) -> list:
         """torch's ``replicate``, with ``Broadcast`` done on DEVICE (see the module notes)."""
         __tracebackhide__ = True
-        try:
-            from torch.nn.parallel.replicate import _replicatable_module
-        except ImportError:  # pragma: no cover - a torch without the check
-            pass
-        else:
-            if not _replicatable_module(network):
-                raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
+        _check_replicatable(network)
         count = len(devices)
         if not count:
             return []
@@ -183,24 +177,8 @@ class ParallelCalls(PlacementPart):
                 copies[j].append(replica)
         for i, module in enumerate(modules):
             for j in range(count):
-                replica = copies[j][i]
-                for key, child in module._modules.items():
-                    if child is None:
-                        replica._modules[key] = None
-                    else:
-                        setattr(replica, key, copies[j][index[id(child)]])
-                for key, param in module._parameters.items():
-                    if param is None:
-                        replica._parameters[key] = None
-                    else:
-                        # Not leaves any more: set as plain attributes, as torch's replicas have them.
-                        setattr(replica, key, tensors[id(param)][j])
-                        replica._former_parameters[key] = tensors[id(param)][j]
-                for key, buf in module._buffers.items():
-                    if buf is None:
-                        replica._buffers[key] = None
-                    else:
-                        setattr(replica, key, tensors[id(buf)][j])
+                _wire_replica(module, copies[j][i], [copies[j][index[id(c)]] if c is not None else None
+                                                     for c in module._modules.values()], tensors, j)
         return [copies[j][0] for j in range(count)]
 
     def _broadcast(self, tensor, count: int, detached: bool) -> list:
@@ -338,3 +316,34 @@ class ParallelCalls(PlacementPart):
         replicas = self._replicate(module, used)
         outputs = self._parallel_apply(replicas, inputs, module_kwargs, used)
         return self._gather(outputs, output_device, dim)
+
+
+def _check_replicatable(network) -> None:
+    """torch's own refusal of a network whose Python modules are children of a ScriptModule."""
+    try:
+        from torch.nn.parallel.replicate import _replicatable_module
+    except ImportError:  # pragma: no cover - a torch without the check
+        return
+    if not _replicatable_module(network):
+        raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
+
+
+def _wire_replica(module, replica, children: list, tensors: dict, j: int) -> None:
+    """``replica`` (replica ``j`` of ``module``) takes its replicated children and its tensors' ``j``-th copies."""
+    for key, child in zip(module._modules, children):
+        if child is None:
+            replica._modules[key] = None
+        else:
+            setattr(replica, key, child)
+    for key, param in module._parameters.items():
+        if param is None:
+            replica._parameters[key] = None
+        else:
+            # Not leaves any more: set as plain attributes, as torch's replicas have them.
+            setattr(replica, key, tensors[id(param)][j])
+            replica._former_parameters[key] = tensors[id(param)][j]
+    for key, buf in module._buffers.items():
+        if buf is None:
+            replica._buffers[key] = None
+        else:
+            setattr(replica, key, tensors[id(buf)][j])

@@ -14,7 +14,7 @@ explicit ``device=`` costs nothing measurable (``benchmarks/ondevice.py``).
 
 Two parts, which change together:
 
-* :class:`PlacementRewriter` (in :mod:`.placement_rewrite`), an
+* :class:`PlacementRewriter` (in :mod:`.transform`), an
   ``ast.NodeTransformer``. Rewritten calls go through one helper name,
   :data:`HELPER`, so the cell's own names are never touched; new nodes carry
   the user's line numbers.
@@ -36,8 +36,8 @@ defined in the cell find it whenever they run. It follows where they run:
   the receiving process's own).
 
 What "CUDA follows DEVICE" means for the rest of ``torch.cuda`` and
-``torch.accelerator`` is in :mod:`.placement_cuda` (``torch.nn.parallel``'s
-``replicate``/``scatter``/``parallel_apply``/``gather`` in :mod:`.placement_parallel`); in short:
+``torch.accelerator`` is in :mod:`.cuda_calls` (``torch.nn.parallel``'s
+``replicate``/``scatter``/``parallel_apply``/``gather`` in :mod:`.parallel`); in short:
 
 ==================================  ==================  =====================
 call                                DEVICE is cuda:k    DEVICE is cpu / meta
@@ -61,12 +61,12 @@ is followed to DEVICE. Explicit CPU placement (``device='cpu'``,
 ``torch.FloatTensor(...)`` without ``.cuda()``) is left alone; values that
 stand for the cell's device (:mod:`.device_values`) follow it. A CUDA
 spelling held as a value (``dev = torch.device('cuda')``,
-``T = torch.cuda.FloatTensor``) keeps meaning CUDA (:mod:`.placement_values`):
+``T = torch.cuda.FloatTensor``) keeps meaning CUDA (:mod:`.values`):
 ``x.to(dev)`` copies a CPU tensor as a GPU would, and returns a tensor the cell
 put on CUDA as is (on a CPU target the cell's CUDA tensors are remembered, and
-factories given a device go through ``on_cuda``/``factory``: :mod:`.placement_placed`).
+factories given a device go through ``on_cuda``/``factory``: :mod:`.placed`).
 The code of ``%time``, ``%timeit`` and ``%prun`` in the cell is rewritten too
-(:mod:`.placement_magics`).
+(:mod:`.magics`).
 
 Examples
 --------
@@ -85,12 +85,12 @@ import numbers
 import re
 from collections.abc import Iterator
 
-from .device_values import set_process_device, stand_in, stands_for_cell_device
-from .placement_cuda import CudaCalls
-from .placement_methods import LoadMap, MethodCalls
-from .placement_parallel import ParallelCalls
-from .placement_placed import PlacedCalls, bind_torch, remember, remembered
-from .placement_rewrite import (
+from ..device_values import set_process_device, stand_in, stands_for_cell_device
+from .cuda_calls import CudaCalls
+from .methods import LoadMap, MethodCalls
+from .parallel import ParallelCalls
+from .placed import PlacedCalls, bind_torch, remember, remembered
+from .transform import (
     HELPER,
     LEGACY_TYPES,
     PlacementRewriter,
@@ -99,7 +99,7 @@ from .placement_rewrite import (
     lookup,
     rewrite_placement,
 )
-from .placement_values import TypedTensor, said_cuda, says_cuda
+from .values import TypedTensor, said_cuda, says_cuda
 
 __all__ = ["HELPER", "LEGACY_TYPES", "PlacementRewriter", "Placement", "rewrite_placement", "passthrough",
            "install_passthrough", "modules_on", "helper_name", "made_for", "follow", "follow_process"]
@@ -203,7 +203,7 @@ class Placement(PlacedCalls, MethodCalls, CudaCalls, ParallelCalls):
 
         Asked for a CUDA device as written (``'cuda'``, ``torch.device('cuda')``, a device made from
         one in the cell, a tensor the cell put there), a CPU tensor on a CPU target is copied, as a
-        GPU would make a new tensor, unless the cell put it on CUDA (:mod:`.placement_placed`): then
+        GPU would make a new tensor, unless the cell put it on CUDA (:mod:`.placed`): then
         it is returned as is, as torch's ``.to(own device)`` does; so is it for a value that holds
         the cell's device after a cell (``'cpu'``). Modules move in place, as in torch.
         """

@@ -1,6 +1,6 @@
 """What ``torch.cuda`` and ``torch.accelerator`` calls answer in a cell that runs on DEVICE.
 
-The rewrite (:mod:`.placement_rewrite`) turns ``torch.cuda.get_device_name(0)``
+The rewrite (:mod:`.transform`) turns ``torch.cuda.get_device_name(0)``
 into ``H.query(torch.cuda.get_device_name, 0)``: every method here gets the
 original function first, so that without a target (:class:`~.placement.Placement`
 passing through) the call is exactly the original. With a target, the device
@@ -38,8 +38,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .placement_part import PlacementPart
-from .placement_values import said_cuda, said_cuda_name
+from .part import PlacementPart
+from .values import said_cuda, said_cuda_name
 
 __all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer", "watch_streams", "unwatch_streams"]
 
@@ -87,7 +87,7 @@ def device_name(target) -> str:
     if target.type != "cpu":
         return {"mps": "Apple MPS"}.get(target.type, target.type)
     if not _cpu_name:
-        from ..devices.facts import cpu_name  # the name alone: a utilisation reading may wait 0.1 s
+        from ...devices.facts import cpu_name  # the name alone: a utilisation reading may wait 0.1 s
         _cpu_name.append(cpu_name())
     return _cpu_name[0]
 

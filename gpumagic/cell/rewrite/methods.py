@@ -1,13 +1,13 @@
 """``.cuda()`` where torch's own method is not the one called, and ``cuda``/``to`` taken as values.
 
-Part of :class:`~gpumagic.cell.placement.Placement`:
+Part of :class:`~gpumagic.cell.rewrite.helper.Placement`:
 
 * a module whose class defines its own ``cuda`` (to move tensors it keeps
   outside its parameters and buffers) has that method run, as on a GPU: on
   ``cuda:k`` with CUDA indices meaning k; on another device when the method
   was rewritten (defined in a ``%%ondevice`` cell: its ``super().cuda()``
   follows the device) or comes from a plain notebook cell (compiled again
-  through the rewrite: :mod:`.placement_own`). One from a library would reach
+  through the rewrite: :mod:`.own`). One from a library would reach
   CUDA itself, so there the module's parameters and buffers move, as torch's
   ``cuda`` would move them;
 * a storage (``torch.load(f, map_location=lambda s, loc: s.cuda())``) goes to the device, and so does
@@ -24,10 +24,10 @@ from __future__ import annotations
 import functools
 import logging
 
-from .placement_own import rebuilt
-from .placement_part import PlacementPart
-from .placement_rewrite import is_cuda_name, is_cuda_type_name, lookup
-from .placement_values import TypedTensor
+from .own import rebuilt
+from .part import PlacementPart
+from .transform import is_cuda_name, is_cuda_type_name, lookup
+from .values import TypedTensor
 
 __all__ = ["MethodCalls", "LoadMap", "rewritten"]
 
@@ -50,7 +50,7 @@ def rewritten(function) -> bool:
 
 
 class MethodCalls(PlacementPart):
-    """The methods of a :class:`~gpumagic.cell.placement.Placement` for modules' own ``cuda``, storages
+    """The methods of a :class:`~gpumagic.cell.rewrite.helper.Placement` for modules' own ``cuda``, storages
     and ``cuda``/``to`` taken as values."""
 
 

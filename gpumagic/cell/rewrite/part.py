@@ -1,4 +1,4 @@
-"""What each piece of :class:`~gpumagic.cell.placement.Placement` reads from the whole.
+"""What each piece of :class:`~gpumagic.cell.rewrite.helper.Placement` reads from the whole.
 
 ``Placement`` is put together from pieces, one module each (CUDA calls, ``torch.nn.parallel``,
 remembered placements, modules' own methods); each piece subclasses :class:`PlacementPart`, which

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import ast
 
-from .trees import copy_tree
+from ..trees import copy_tree
 
 __all__ = ["rewrite_for_cpu_workers", "bind_placement"]
 
 
 def rewrite_for_cpu_workers(tree: ast.Module, namespace: dict) -> tuple[ast.Module, str | None]:
     """``(tree rewritten, helper name)``; ``(tree, None)`` as given where nothing needed rewriting."""
-    from .placement import HELPER, rewrite_placement
+    from .helper import HELPER, rewrite_placement
     rewritten, rewriter = rewrite_placement(copy_tree(tree), namespace)
     return (rewritten, HELPER) if rewriter.rewrites else (tree, None)
 
@@ -28,6 +28,6 @@ def bind_placement(ns: dict, name: str | None, device) -> None:
         return
     import torch
 
-    from .placement import Placement, install_passthrough
+    from .helper import Placement, install_passthrough
     install_passthrough()
     ns[name] = Placement(torch.device(device))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import device_values
-from .device_values import DeviceName
+from .. import device_values
+from ..device_values import DeviceName
 
 __all__ = ["said_cuda", "says_cuda", "said_cuda_name", "TypedTensor"]
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import Any
 from weakref import ref
 
-from .placement_part import PlacementPart
-from .placement_values import says_cuda
+from .part import PlacementPart
+from .values import says_cuda
 
 __all__ = ["remember", "remembered", "remember_module", "forget_all", "bind_torch", "PlacedCalls"]
 
