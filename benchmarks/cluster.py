@@ -11,7 +11,7 @@ cell, one training step on random data, 1 + ``--later`` times in each of two pla
   --engines local -n N``: one engine per GPU, or 2 on the CPU), with
   ``%%dataparallel --cluster``: a first cell and a later one.
 
-For each cell, from ``last_result()``: the cell's start (the magic's first line
+For each cell, from the result it binds as ``dataparallel``: the cell's start (the magic's first line
 to every rank running the cell's code; the pool's or cluster's own start not
 counted), the weight return (the last rank done to the notebook's model and
 optimizer loaded), the bytes returned and what that makes per second, and the
@@ -57,12 +57,11 @@ def run_cells(shell, line: str, device: str, label: str, rows: list, later: int)
 
     from IPython.utils.capture import capture_output
 
-    from gpumagic.dataparallel.run import last_result
     seen = []
     for _ in range(1 + later):
         with capture_output():
             shell.run_cell_magic("dataparallel", line, CELL.format(device=device))
-        res = last_result()
+        res = shell.user_ns["dataparallel"]
         ns = shell.user_ns
         mine = float(sum(p.detach().double().sum() for p in ns["model"].parameters()))
         assert abs(mine - ns["trained_sum"]) <= 1e-6 * max(1.0, abs(mine)), (mine, ns["trained_sum"])

@@ -329,7 +329,6 @@ def main(argv=None) -> None:
     import torch
 
     from gpumagic import devices
-    from gpumagic.dataparallel.run import last_result
     from gpumagic.display import text_table
 
     gpus = devices.visible_gpus()
@@ -409,7 +408,7 @@ def main(argv=None) -> None:
             notebook_setup(shell, kind, quick, device, (warmup + steps) * gbatch, warmup, steps, seconds, chunk)
             r = magic_cell(shell, ddp_line, fixed_loop())
             r["samples_per_s"] = r["steps"] * gbatch / r["elapsed"]
-            r["timings"] = last_result().timings
+            r["timings"] = shell.user_ns["dataparallel"].timings
             print(f"{name}: %%dataparallel timings {r['timings']}", flush=True)
             return r
         r = attempt(results, "%%dataparallel", ours)
@@ -424,7 +423,7 @@ def main(argv=None) -> None:
                 notebook_setup(shell, kind, quick, device, 8 * gbatch, 3, 5, seconds, chunk)
                 magic_cell(shell, ddp_line, fixed_loop())    # a first short cell: the workers now hold the model
                 magic_cell(shell, ddp_line, fixed_loop())    # the cell measured
-                res = last_result()
+                res = shell.user_ns["dataparallel"]
                 t = res.timings
                 overheads.append([name, "later cell: start (pool reused)", f"{t['start']:.3f} s"])
                 overheads.append([name, "later cell: weight + optimizer return", f"{t['return']:.3f} s"])
@@ -461,8 +460,9 @@ def main(argv=None) -> None:
 
             def first_step_row(which: str) -> None:
                 """From the magic's start: shipping, starting the ranks, compiling, the first step."""
-                res = last_result()
-                first = (res.timings["start"] or 0.0) + res.per_rank[0].get("first_step", float("nan"))
+                res = shell.user_ns["dataparallel"]
+                first_step = res.per_rank[0].first_step
+                first = (res.timings["start"] or 0.0) + (first_step if first_step is not None else float("nan"))
                 overheads.append([name, f"--compile, {which} cell: first optimizer step, from the cell's start",
                                   f"{first:.1f} s"])
 

@@ -50,10 +50,17 @@ loss_fn = make_loss('resnet50')
 WARMUP, STEPS = 2, 4
 DEVICE_TYPE, AMP = {dev.split(':')[0]!r}, {dev != 'cpu'}
 """).raise_error()
-    try:
-        from gpumagic.dataparallel.run import last_result
-    except ImportError:  # a checkout from before the process layer
-        from gpumagic.parallel.ddp import last_result
+    def last_result():
+        """The last cell's result: bound in the notebook as ``dataparallel``, or, in a checkout from before
+        that, kept by the package."""
+        bound = sh.user_ns.get("dataparallel")
+        if hasattr(bound, "timings"):
+            return bound
+        try:
+            from gpumagic.dataparallel.run import last_result as kept
+        except ImportError:  # a checkout from before the process layer
+            from gpumagic.parallel.ddp import last_result as kept
+        return kept()
     out = []
     for _ in range(3):
         with capture_output():

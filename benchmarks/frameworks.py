@@ -255,7 +255,6 @@ def column_launcher(opts, s, workdir) -> dict:
 def column_dataparallel(opts, s, workdir) -> dict:
     from IPython.utils.capture import capture_output
 
-    from gpumagic.dataparallel.run import last_result
     shell = _common.make_shell()
     setup = f"""
 model, _length, _vocab = make_model({opts.model!r}, {opts.quick!r})
@@ -288,10 +287,10 @@ kernel_cuda_initialised = torch.cuda.is_initialized()
                           "last 40)")
                     print("\n".join("  | " + x for x in shown[-40:]), flush=True)
             t_return = time.time()
-            res = last_result()
+            res = shell.user_ns["dataparallel"]
             stats = timed(dict(ns["stats"]), t_call, t_return)
             stats["timings"] = dict(res.timings)
-            stats["rank0_first_step"] = res.per_rank[0].get("first_step")
+            stats["rank0_first_step"] = res.per_rank[0].first_step
             stats["shipped_mib"] = res.shipped_bytes / 2**20
             stats["cached_mib"] = res.cached_bytes / 2**20
             stats["returned_mib"] = res.returned_bytes / 2**20

@@ -37,7 +37,7 @@ given back before the next starts):
   the loss of every step averaged over the ranks; then every parameter's
   ``full_tensor()`` (all ranks), of which rank 0 returns a float64 sum, a sum
   of absolute values and 64 evenly strided elements. After the cell: the time
-  to bring the weights back (``last_result().timings["return"]``: from the
+  to bring the weights back (``shell.user_ns["dataparallel"].timings["return"]``: from the
   last rank finishing the cell to the notebook's model loaded), and the check
   that the notebook's model holds the ranks' state: the same Parameter objects
   as before the cell, still on the CPU, every sampled element bitwise equal to
@@ -64,6 +64,7 @@ the repository root::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import linecache
 import os
@@ -355,7 +356,6 @@ def trained(ns: dict, s: dict) -> dict:
 
 
 def column_fsdp(opts, s: dict) -> dict:
-    from gpumagic.dataparallel.run import last_result
     shell, build = notebook(opts, s)
     ns = shell.user_ns
     model = ns["model"]
@@ -370,11 +370,11 @@ def column_fsdp(opts, s: dict) -> dict:
         traceback.print_exc()
         return {**oom_outcome(exc), "build_s": build, "line": line}
     wall = time.perf_counter() - t0
-    res = last_result()
+    res = shell.user_ns["dataparallel"]
     out = trained(ns, s)
     out.update(build_s=build, line=line, wall=wall, timings=dict(res.timings), stayed=list(res.stayed),
                shipped_bytes=res.shipped_bytes, returned_bytes=res.returned_bytes,
-               per_rank={str(k): v for k, v in res.per_rank.items()})
+               per_rank={str(k): dataclasses.asdict(v) for k, v in res.per_rank.items()})
     # The notebook's model against what the ranks held after training.
     t1 = time.perf_counter()
     now = list(model.parameters())

@@ -1,4 +1,4 @@
-"""Which parts of a model --strategy fsdp shards as units (gpumagic.dataparallel.blocks), and autocast."""
+"""Which parts of a model --strategy fsdp shards as units (dataparallel.strategies.fsdp_blocks), and autocast."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,12 @@ import torch
 from IPython.core.error import UsageError
 from torch import nn
 
-from gpumagic.dataparallel.blocks import autocast_dtype, block_instances, candidate_blocks, choose_blocks
+from gpumagic.dataparallel.strategies.fsdp_blocks import (
+    autocast_dtype,
+    block_instances,
+    candidate_blocks,
+    choose_blocks,
+)
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 

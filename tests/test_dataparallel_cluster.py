@@ -30,12 +30,12 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel import cluster_setup as clustermod
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks import cluster_setup as clustermod
 from gpumagic.errors import WorkerDied, WorkerError
 from gpumagic.procs.cpus import process_limit
 from tests.cluster_helpers import ROOT, HandCluster, deadline, describe, fake_package, living, wait_gone
 from tests.conftest import run_cell
+from tests.dataparallel_helpers import last_result
 from tests.test_magics_dataparallel import SETUP as LOCAL_SETUP
 
 pytest.importorskip("ipyparallel")
@@ -354,8 +354,8 @@ def test_trains_like_one_process_and_each_rank_is_on_its_host(shell, setup, hand
     assert len(losses) == 8 and ns["final_loss"] == pytest.approx(losses[-1], abs=1e-6)
     result = last_result()
     assert result.devices == ["cpu", "cpu"] and result.backend == "gloo"
-    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
-    assert {r: s["samples"] for r, s in result.per_rank.items()} == {0: 64, 1: 64}
+    assert {r: s.steps for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert {r: s.samples for r, s in result.per_rank.items()} == {0: 64, 1: 64}
     # rank 0 on host-a, rank 1 on host-b: one rank per host, each the first on its host
     pids = {h: hand.engine_pid(h) for h in HOSTS}
     assert ns["everywhere"] == [("host-a", "0", "0", "1", "2", pids["host-a"], "cpu"),

@@ -12,10 +12,9 @@ import time
 import pytest
 import torch
 
-from gpumagic.dataparallel import cluster_setup as cluster
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks import cluster_setup as cluster
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import dp_cell, last_result
 
 pytest.importorskip("ipyparallel")
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,7 @@
 Once a local ``%%dataparallel`` pool has run, multiprocessing's resource tracker
 is the kernel's child; it ignores SIGTERM, so ipykernel's shutdown waits on it
 and Jupyter SIGTERMs the kernel before its exit hooks run. The cluster's
-watcher (gpumagic.dataparallel.cluster_watch) stops the controller and engines
+watcher (gpumagic.dataparallel.ranks.cluster_watch) stops the controller and engines
 then; ``%dataparallel cluster stop`` releases it.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytest.importorskip("ipyparallel")
 START = "%load_ext gpumagic\n%dataparallel cluster start --engines local -n 2"
 CLUSTER_PIDS = """
 import json as _json
-from gpumagic.dataparallel import cluster_setup as _cs
+from gpumagic.dataparallel.ranks import cluster_setup as _cs
 _d = _json.load(open(_cs._started.cluster.cluster_file))
 _pids = [_d["controller"]["state"]["pid"]] + [e["pid"] for s in _d["engines"]["sets"].values()
                                                for e in s["engines"].values()]
@@ -42,7 +42,7 @@ TRAIN = ("%%dataparallel --nprocs 2\nfor x, y in loader:\n"
 def _watchers() -> list[int]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
-        if "gpumagic.dataparallel.cluster_watch" in " ".join(p.info["cmdline"] or []):
+        if "gpumagic.dataparallel.ranks.cluster_watch" in " ".join(p.info["cmdline"] or []):
             out.append(p.pid)
     return out
 

@@ -14,10 +14,10 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from gpumagic.dataparallel import cluster_setup as clustermod
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks import cluster_setup as clustermod
 from tests.cluster_helpers import describe, wait_gone
 from tests.conftest import run_cell
+from tests.dataparallel_helpers import last_result
 from tests.test_dataparallel_cluster import (  # noqa: F401 - fixtures
     TRAIN,
     WORLD,

@@ -9,12 +9,11 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.errors import WorkerError
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import dp_cell, last_result
 from tests.test_magics_dataparallel import CPU2, SETUP, TRAIN, _reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:the cell reads no DataLoader")
@@ -27,7 +26,7 @@ def _stop_pool_after_module():
 
 
 def _first_step(result) -> float:
-    return result.per_rank[0]["first_step"]
+    return result.per_rank[0].first_step
 
 
 def _assert_weights(ns, reference):

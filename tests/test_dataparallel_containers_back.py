@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import ast
 import collections
-import threading
 import types
 
 import torch
 
-from gpumagic.dataparallel.run import last_result
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from, trained_in_one_process
+from tests.dataparallel_helpers import REGRESSION, dp_cell, last_result, notebook_from, trained_in_one_process
 
 CPU2 = "--nprocs 2"
 
@@ -103,78 +101,25 @@ def test_a_key_moved_in_a_notebook_dict_takes_rank_0s_order(shell):
     assert last_result().not_returned == [], last_result().not_returned
 
 
-def test_lists_and_dicts_inside_a_notebook_container_come_back_into_the_notebooks_own():
-    """Rank 0's side and the kernel's, without processes: lists and dicts held in a notebook container were
-    compared by identity only (``held["outs"]["val"].append(t)`` lost without a word), a notebook object put
-    in it was "made in the cell", and a key moved inside an OrderedDict kept the old order."""
-    from gpumagic.dataparallel.containers import changes, planned, refill_all, snapshot
-    from gpumagic.dataparallel.results import cloned
-    model = torch.nn.Linear(1, 1)
-
-    def notebook():
-        return {"held": {"model": model, "outs": {"val": [torch.zeros(2)], "n": [1]},
-                         "order": collections.OrderedDict(a=model, b=[torch.ones(1)])},
-                "m2": torch.nn.Linear(1, 1)}
-    kernel, rank = notebook(), notebook()
-    held = kernel["held"]
-    outs, val, first, n, order = held["outs"], held["outs"]["val"], held["outs"]["val"][0], held["outs"]["n"], \
-        held["order"]
-    before = snapshot(rank, ["held"])
-    named = {id(v): (k, v) for k, v in rank.items()}
-    r = rank["held"]
-    r["outs"]["val"][0].add_(1)                    # filled in place
-    r["outs"]["val"].append(torch.full((2,), 3.0))
-    r["outs"]["n"].append(2)                       # a plain list inside: still the notebook's
-    r["order"].move_to_end("a")
-    r["aux"] = rank["m2"]                          # the notebook's object, by its name
-    r["new"] = {"t": [torch.ones(3)]}              # made in the cell, of tensors: built anew
-    back, dropped = changes(rank, before, named=named)
-    assert dropped == [] and list(back) == ["held"]
-    plans: dict = {}
-    planned(kernel, cloned(back), plans)
-    refill_all(plans)
-    assert held["outs"] is outs and outs["val"] is val and val[0] is first and outs["n"] is n
-    assert torch.equal(first, torch.ones(2)) and torch.equal(val[1], torch.full((2,), 3.0)) and n == [1, 2]
-    assert held["order"] is order and list(order) == ["b", "a"] and order["a"] is model
-    assert held["aux"] is kernel["m2"] and held["model"] is model
-    assert list(held["new"]) == ["t"] and torch.equal(held["new"]["t"][0], torch.ones(3))
-
-    # an object made in the cell comes back, rank 0's, holding the notebook's objects where it did
-    before = snapshot(rank, ["held"])
-    r["outs"]["val"].append(types.SimpleNamespace(model=rank["m2"], n=3))
-    back, dropped = changes(rank, before, named=named)
-    assert dropped == [] and list(back) == ["held"]
-    plans = {}
-    planned(kernel, cloned(back), plans)
-    refill_all(plans)
-    assert val[2].model is kernel["m2"] and val[2].n == 3 and held["outs"]["val"] is val
-
-    # one that cannot be pickled, a level down: the note says where, and nothing is changed
-    before = snapshot(rank, ["held"])
-    r["outs"]["val"].append(threading.Lock())   # (a model made in the cell comes back: containers_hostile)
-    back, dropped = changes(rank, before, named=named)
-    assert back == {} and dropped == ["held (the cell changed its items, and 'outs'['val'][3] now holds an object "
-                                      "made in the cell, which does not come back, so held is left as it was; "
-                                      "change it in a plain cell)"]
-
-
 def test_the_note_names_only_items_that_do_not_come_back():
-    """Items set through attributes of watched objects, and lists inside compared dicts, come back; attributes
-    set on objects held in them, and items of what rank 0 does not compare, do not, and are named."""
+    """Items set through attributes of watched objects, lists inside compared dicts and a trained module held in
+    one (its attributes come back with it) come back; attributes set on a library's object held in a list, and
+    items of what rank 0 does not compare, do not, and are named."""
     from gpumagic.cell.names import items_assigned
-    from gpumagic.dataparallel.survey import _not_coming_back, item_notes
+    from gpumagic.dataparallel.kernel.survey import item_notes
 
     class Opaque:   # a class of no notebook's: not watched
         def __init__(self):
             self.outs = [torch.zeros(1)]
     model = torch.nn.Sequential(torch.nn.Linear(1, 1))
     ns = {"rec": types.SimpleNamespace(outs=[torch.zeros(1)], model=model, big=[0] * 1_000_001),
-          "held": {"model": model, "outs": {"val": []}}, "opaque": Opaque()}
+          "held": {"model": model, "outs": {"val": []}, "box": Opaque()}, "opaque": Opaque()}
     tree = ast.parse("rec.outs[0] = t\nrec.new['a'] = t\nrec.model[0] = layer\nrec.big[0] = 1\n"
-                     "held['outs']['val'][0] = t\nheld['model'].size = 3\nopaque.outs[0] = t\n")
-    targets = _not_coming_back(ns, items_assigned(tree), {"held"}, {"rec"}, {id(model)})
-    assert item_notes(targets) == [
+                     "held['outs']['val'][0] = t\nheld['model'].size = 3\nheld['box'].size = 3\n"
+                     "opaque.outs[0] = t\n")
+    trained = {id(sub) for sub in model.modules()}
+    assert item_notes(ns, items_assigned(tree), trained) == [
         "rec.big[0] (set through an item of rec.big, a list that does not come back; set it in a plain cell)",
-        "held['model'].size (set on an object held in held, which does not come back; set it in a plain cell)",
+        "held['box'].size (set on an object held in held, which does not come back; set it in a plain cell)",
         "opaque.outs[0] (set through an item of opaque.outs, a list that does not come back; set it in a plain "
         "cell)"]

@@ -10,8 +10,7 @@ import copy
 import pytest
 import torch
 
-from gpumagic.dataparallel.run import last_result
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from
+from tests.dataparallel_helpers import REGRESSION, dp_cell, last_result, notebook_from
 
 CPU2 = "--nprocs 2"
 
@@ -143,49 +142,20 @@ def test_a_name_the_cell_binds_to_a_list_a_notebook_dict_holds_is_that_list(shel
     assert len(history["val"]) == 2
 
 
-def test_a_long_list_the_cell_changes_comes_back():
-    """Rank 0's side and the kernel's, without processes: a list of more than 10,000 plain values held in a
-    compared dict (``held["losses"]``) was compared by identity only, so an append was lost without a word; a
-    notebook list that long holding an object (``[model] + losses``) was not compared at all. Both come back,
-    the notebook's objects staying theirs; read and not changed, neither is sent."""
-    from gpumagic.dataparallel.containers import changes, planned, refill_all, snapshot
-    from gpumagic.dataparallel.results import cloned
-    model = torch.nn.Linear(1, 1)
-
-    def notebook():
-        return {"held": {"model": model, "losses": [0.5] * 12_000}, "mixed": [model] + [0.0] * 12_000}
-    kernel, rank = notebook(), notebook()
-    losses, mixed = kernel["held"]["losses"], kernel["mixed"]
-    before = snapshot(rank, ["held", "mixed"])
-    rank["held"]["losses"].append(0.25)
-    rank["mixed"].append(0.25)
-    rank["mixed"][1] = 2.0
-    back, dropped = changes(rank, before)
-    assert dropped == [] and list(back) == ["held", "mixed"]
-    plans: dict = {}
-    planned(kernel, cloned(back), plans)
-    refill_all(plans)
-    assert kernel["held"]["losses"] is losses and len(losses) == 12_001 and losses[-1] == 0.25
-    assert kernel["mixed"] is mixed and len(mixed) == 12_002 and mixed[0] is model and mixed[1:3] == [2.0, 0.0]
-    assert mixed[-1] == 0.25
-
-    before = snapshot(rank, ["held", "mixed"])   # read, not changed: nothing to send
-    assert changes(rank, before) == ({}, [])
-
-
-def test_the_survey_compares_long_lists_of_objects_and_dicts_of_lists(shell):
-    """The kernel's side: which notebook containers rank 0 compares item by item instead of sending them back
-    whole (those holding lists and dicts, whose lists other names may hold), and long ones holding objects."""
+def test_rank0_watches_what_the_cell_reads_but_not_what_it_trains(shell):
+    """The kernel's side: rank 0 watches every notebook name the cell reads (lists and dicts of any size, holding
+    anything), and not the model, optimizer and loader it trains (those come back as trained state)."""
     import ast
 
-    from gpumagic.dataparallel.plan import Plan
-    from gpumagic.dataparallel.survey import survey_cell
+    from gpumagic.dataparallel.kernel.notebook import Notebook
+    from gpumagic.dataparallel.kernel.survey import survey_cell
     notebook_from(shell, REGRESSION + "logs = {'train': {'loss': []}}\nflat = [0.5] * 20\n"
                                       "mixed = [model] + [0.0] * 12_000\n")
     cell = ("for x, y in loader:\n    opt.zero_grad(); ((model(x) - y) ** 2).mean().backward(); opt.step()\n"
             "logs['train']['loss'].append(1.0); flat.append(1.0); mixed.append(1.0)\n")
-    survey = survey_cell(ast.parse(cell), shell, Plan("ddp", ["cpu", "cpu"], "gloo"))
-    assert survey.containers == ["logs", "mixed"] and "flat" in survey.return_names
+    survey = survey_cell(ast.parse(cell), Notebook.of(shell))
+    assert sorted(survey.roots) == ["flat", "logs", "mixed"]
+    assert (list(survey.modules), list(survey.optimizers), list(survey.loaders)) == (["model"], ["opt"], ["loader"])
 
 
 def test_a_copy_of_the_model_kept_in_a_notebook_dict_or_list_comes_back(shell):
@@ -233,32 +203,6 @@ def test_an_early_stopping_object_keeps_its_copy_of_the_best_model(shell):
     for k, want in states[1].items():
         torch.testing.assert_close(stopper.best_state[k], want, atol=1e-6, rtol=0)
         torch.testing.assert_close(stopper.best_model.state_dict()[k], want, atol=1e-6, rtol=0)
-
-
-def test_a_layer_of_a_notebook_model_put_in_a_container_is_that_layer():
-    """Rank 0's side and the kernel's, without processes: ``reg["head"] = model[2]`` was named as "an object made
-    in the cell" (it is the notebook's layer) and ``reg`` left as it was."""
-    from gpumagic.dataparallel.containers import Room, changes, grown, planned, refill_all, snapshot
-    from gpumagic.dataparallel.results import cloned
-
-    def notebook():
-        model = torch.nn.Sequential(torch.nn.Linear(1, 2), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(2, 1)))
-        return {"model": model, "reg": {"main": model}, "plain": {}}
-    kernel, rank = notebook(), notebook()
-    reg, plain = kernel["reg"], kernel["plain"]
-    before = snapshot(rank, ["reg"])
-    named = {id(v): (k, v) for k, v in rank.items()}
-    rank["reg"]["head"] = rank["model"][1][1]
-    rank["plain"]["first"] = rank["model"][0]
-    back, dropped = changes(rank, before, named=named)
-    assert dropped == []
-    more, dropped = grown(rank, ["plain"], Room(), named)   # (a dict of plain values the cell filled)
-    assert dropped == []
-    plans: dict = {}
-    planned(kernel, cloned({**back, **more}), plans)
-    refill_all(plans)
-    assert kernel["reg"] is reg and reg["head"] is kernel["model"][1][1] and reg["main"] is kernel["model"]
-    assert plain["first"] is kernel["model"][0]
 
 
 def test_a_training_notebook_in_a_kernel_says_only_what_did_not_come_back():

@@ -1,4 +1,4 @@
-"""Which mode a %%dataparallel cell runs in (gpumagic.dataparallel.detect.choose_mode).
+"""Which mode a %%dataparallel cell runs in (gpumagic.dataparallel.kernel.detect.choose_mode).
 
 Launch mode for cells whose code distributes by itself (Hugging Face Trainer,
 accelerate, Lightning, their own DDP / FSDP / init_process_group), gpumagic's
@@ -15,7 +15,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from gpumagic.dataparallel.detect import choose_mode
+from gpumagic.dataparallel.kernel.detect import choose_mode
 
 LOOP = """\
 for x, y in loader:

@@ -1,9 +1,9 @@
-"""--strategy dp in the kernel (gpumagic.dataparallel.dp): model calls rewritten to split over devices."""
+"""--strategy dp in the kernel (gpumagic.dataparallel.strategies.dp): model calls rewritten to split over devices."""
 from __future__ import annotations
 
 import ast
 
-from gpumagic.dataparallel.dp import ModelCallRewriter
+from gpumagic.dataparallel.strategies.dp import ModelCallRewriter
 
 
 def test_model_calls_rewritten_for_dp():

@@ -100,7 +100,7 @@ def test_launched_chooses_the_notebook_table_on_rank_0_only_and_gives_it_back():
     import transformers.trainer as trainer
     from transformers.utils.notebook import NotebookProgressCallback
 
-    from gpumagic.dataparallel.launch import launched
+    from gpumagic.dataparallel.strategies.launch_rank import launched
     own = trainer.DEFAULT_PROGRESS_CALLBACK
     assert own is not NotebookProgressCallback             # (this process is no notebook)
     with launched(rank=0, world_size=2, master_port=29561, run_id="gm-p", on_cpu=True, notebook=True):

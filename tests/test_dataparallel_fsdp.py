@@ -14,12 +14,11 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.errors import WorkerError
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
+from tests.dataparallel_helpers import dp_cell, dp_pool, last_result, wait_dead
 
 FSDP2 = "--strategy fsdp --devices cpu --nprocs 2"
 
@@ -327,27 +326,41 @@ def test_autocast_in_the_cell_gathers_weights_in_its_dtype(shell):
 
 
 def test_an_interrupt_while_the_weights_are_written_back_is_said(shell, capsys):
-    from gpumagic.dataparallel.run import _run_on_pool
+    import types
 
-    class Pool:   # rank 0 has started writing into the notebook's tensors when the interrupt comes
-        devices, held, fsdp_records = ["cpu", "cpu"], set(), {}
+    from gpumagic.dataparallel.kernel import train
+    from gpumagic.dataparallel.kernel.notebook import Notebook
+    from gpumagic.dataparallel.protocol import CellCode, Writing
+    from gpumagic.dataparallel.ranks.kept import Kept, Sharded
+    from gpumagic.procs.relays import Relays
+
+    class Ranks:   # rank 0 has started writing into the notebook's tensors when the interrupt comes
+        devices, kept = ["cpu", "cpu"], Kept({("key",)}, Sharded())
 
         def run(self, task, meta, data, on_output, on_message, on_tick):
-            on_message(0, {"kind": "writing"})
+            on_message(0, Writing())
             raise KeyboardInterrupt
 
-    pool = Pool()
+        def interrupted_note(self) -> str:
+            return "interrupted"
+
+    ranks = Ranks()
+    order = types.SimpleNamespace(all_output=False, code=CellCode(None, "<cell>", ""))
+    read = types.SimpleNamespace(notebook=Notebook.of(shell), ns=shell.user_ns,
+                                 strategy=types.SimpleNamespace(splits=True))
     with pytest.raises(KeyboardInterrupt):
-        _run_on_pool(pool, {}, None, shell, False)
+        train._run_on(ranks, order, None, read, Relays())
     assert "stopped while rank 0 was writing the trained state into the notebook's tensors" in capsys.readouterr().err
-    assert pool.fsdp_records is None      # the next cell ships everything again
+    assert ranks.kept.sharded is None and ranks.kept.tensors == set()   # the next cell ships everything again
 
 
 def test_an_interrupt_while_the_state_moves_into_shared_memory_leaves_none_there(shell, monkeypatch):
-    import ast
     import types
 
-    from gpumagic.dataparallel import fsdp
+    from gpumagic.dataparallel.kernel.notebook import Notebook
+    from gpumagic.dataparallel.kernel.read import read_cell
+    from gpumagic.dataparallel.plan import make_plan
+    from gpumagic.dataparallel.ranks.kept import Kept
     from gpumagic.procs import bulk
     ns = _setup(shell)
     model, opt = ns["model"], ns["opt"]
@@ -361,8 +374,10 @@ def test_an_interrupt_while_the_state_moves_into_shared_memory_leaves_none_there
             raise KeyboardInterrupt
         return real(tensors)
     monkeypatch.setattr(bulk, "share_in_place", share_then_interrupt)
-    pool = types.SimpleNamespace(fsdp_records=None)
-    blocks = fsdp.choose_all_blocks({"model": model}, None)
+    ranks = types.SimpleNamespace(kept=Kept())
+    plan = make_plan(strategy="fsdp", nprocs=2, gpus=[])
+    read = read_cell(Notebook.of(shell), TRAIN, plan, "%%dataparallel --strategy fsdp")
+    read.strategy.check_cell(read)
     with pytest.raises(KeyboardInterrupt):
-        fsdp.prepare_shipment(ast.parse(TRAIN), {"model": model}, {"opt": opt}, pool, blocks, False, ns)
+        read.strategy.before(read, ranks)
     assert len(calls) == 2 and _shared_state(opt) == []

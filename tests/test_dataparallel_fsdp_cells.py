@@ -14,7 +14,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell, dp_pool

@@ -13,11 +13,10 @@ import copy
 import pytest
 import torch
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell, dp_pool
+from tests.dataparallel_helpers import dp_cell, dp_pool, last_result
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 
@@ -125,7 +124,7 @@ def test_fsdp_on_two_gpus_equals_one_gpu_and_the_weights_come_back_in_place(shel
     result = last_result()
     assert "--strategy fsdp: model sharded over the ranks; blocks: Block" in cap.stderr
     assert result.strategy == "fsdp" and result.backend == "nccl" and result.devices == ["cuda:0", "cuda:1"]
-    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert {r: s.steps for r, s in result.per_rank.items()} == {0: 8, 1: 8}
     assert ns["model"] is model and ns["opt"] is opt
     # the same Parameter objects, still on the CPU, in shared memory the ranks wrote into
     assert all(p is params[n] for n, p in model.named_parameters())

@@ -13,11 +13,10 @@ import copy
 import pytest
 import torch
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import dp_cell, last_result
 from tests.test_dataparallel_fsdp import SETUP, TRAIN
 
 pytestmark = pytest.mark.gpu

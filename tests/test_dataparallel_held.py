@@ -1,4 +1,4 @@
-"""State only the workers hold (gpumagic.dataparallel.held): a --strategy fsdp model on the meta
+"""State only the workers hold (gpumagic.dataparallel.kernel.held): a --strategy fsdp model on the meta
 device and --keep-optimizer state. CPU, two gloo ranks, through a real InteractiveShell.
 
 What would end that state silently is refused before anything starts (other ranks; a DDP cell
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.errors import WorkerError
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell

@@ -1,4 +1,4 @@
-"""Launch mode on a rank (gpumagic.dataparallel.launch): torchrun's environment, kernel-made
+"""Launch mode on a rank (gpumagic.dataparallel.strategies.launch_rank): torchrun's environment, kernel-made
 TrainingArguments resolved again, Lightning's process-starting launchers run in place."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import types
 import pytest
 import torch
 
-from gpumagic.dataparallel import launch as launchmod
-from gpumagic.dataparallel.launch import (
+from gpumagic.dataparallel.strategies import launch_rank as launchmod
+from gpumagic.dataparallel.strategies.launch_rank import (
     forget_kernel_process,
     launched,
     run_lightning_launchers_in_place,
@@ -182,7 +182,7 @@ TRAINING_ARGUMENTS_RANK = """\
 import json, sys
 import torch.distributed as dist
 from transformers import TrainingArguments
-from gpumagic.dataparallel.launch import forget_kernel_process, launched
+from gpumagic.dataparallel.strategies.launch_rank import forget_kernel_process, launched
 rank, world, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 args = TrainingArguments(output_dir=outdir, report_to=[])     # made "in the kernel": one process
 out = {"before": [args.world_size, args.process_index, args.parallel_mode.value, "_setup_devices" in vars(args)],
@@ -286,7 +286,7 @@ def test_lightning_environment_under_launched_runs_in_place(lightning_launchers,
 
 IMPORT_HOOK = """\
 import json, os, sys, types
-from gpumagic.dataparallel import launch
+from gpumagic.dataparallel.strategies import launch_rank as launch
 names = ["lightning.pytorch.strategies.launchers.multiprocessing",
          "lightning.fabric.strategies.launchers.multiprocessing"]
 launch.run_lightning_launchers_in_place()
@@ -323,7 +323,7 @@ def test_distribution_watch_counts_ddp_wrapping_and_restores_init(tmp_path):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    from gpumagic.dataparallel.launch import DistributionWatch
+    from gpumagic.dataparallel.strategies.launch_rank import DistributionWatch
     original, fsdp_original = DistributedDataParallel.__init__, FullyShardedDataParallel.__init__
     model = torch.nn.Linear(2, 2)
     with DistributionWatch() as idle:

@@ -160,5 +160,5 @@ trainer.fit(lit, datamodule=dm)
     assert dm.small_val.dataset is own and own.tensors[1] is ns["Y"]
     assert torch.equal(own.tensors[0], ns["X"] * 2)
     assert len(dm.small_train) == 60 and len(dm.small_val) == 4
-    from gpumagic.dataparallel.run import last_result
+    from tests.dataparallel_helpers import last_result
     assert not any(n.startswith(("dm.train_set", "dm.val_set", "dm.small")) for n in last_result().not_returned)

@@ -10,10 +10,9 @@ import warnings
 import pytest
 import torch
 
-from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from, trained_in_one_process
+from tests.dataparallel_helpers import REGRESSION, dp_cell, last_result, notebook_from, trained_in_one_process
 
 CPU2 = "--nprocs 2"
 
@@ -203,23 +202,24 @@ def test_an_fsdp_cells_optimizer_state_comes_back_private(shell):
 
 
 def test_fsdp_and_launch_cells_say_the_notebooks_gradients_are_not_carried(capsys):
-    from gpumagic.dataparallel.grads import notebook_grads
+    from gpumagic.dataparallel.strategies.ddp_grads import not_carried, notebook_grads
     model = torch.nn.Linear(3, 1)
-    assert notebook_grads({"model": model}) == {}           # no gradients: nothing to carry, nothing said
+    assert notebook_grads({"model": model}) == {}           # no gradients: nothing to carry
+    assert not_carried({"model": model}, "why") == {} and capsys.readouterr().err == ""   # nothing said
     model(torch.ones(2, 3)).sum().backward()
     carried = notebook_grads({"model": model})
     assert carried["model"]["weight"] is model.weight.grad
     assert torch.equal(carried["model"]["bias"], torch.tensor([2.0]))
     capsys.readouterr()
-    for kind in ({"fsdp": True}, {"launch": True}):
-        assert notebook_grads({"model": model}, **kind) == {}
+    for how in ("--strategy fsdp shards them", "in launch mode the cell's framework owns them"):
+        assert not_carried({"model": model}, how) == {}
         said = capsys.readouterr()
         text = said.out + said.err
         assert "the gradients on the parameters of model, left by an earlier cell, are not carried" in text
 
 
 def test_a_rank_starts_from_the_notebooks_gradients_and_its_store_lets_them_go():
-    from gpumagic.dataparallel.grads import start_from
+    from gpumagic.dataparallel.strategies.ddp_grads import start_from
     from gpumagic.procs.tensor_cache import TensorStore
     model = torch.nn.Linear(512, 512)
     grad = torch.full((512, 512), 0.5)                   # 1 MiB: large enough to be kept by key

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gpumagic.dataparallel.run import last_result
-from tests.dataparallel_helpers import REGRESSION, dp_cell, notebook_from, trained_in_one_process
+from tests.dataparallel_helpers import REGRESSION, dp_cell, last_result, notebook_from, trained_in_one_process
 
 CPU2 = "--nprocs 2"
 

@@ -6,9 +6,8 @@ import copy
 
 import torch
 
-from gpumagic.dataparallel.run import last_result
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell
+from tests.dataparallel_helpers import dp_cell, last_result
 
 CPU2 = "--nprocs 2"
 

@@ -1,17 +1,23 @@
-"""Planning a %%dataparallel cell (gpumagic.dataparallel.plan): devices, strategy, backend, bad options."""
+"""Planning a %%dataparallel cell (gpumagic.dataparallel.plan): devices, the strategy with its own options,
+backend, bad options."""
 from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
 
 from gpumagic.dataparallel.plan import make_plan
+from gpumagic.dataparallel.strategies.ddp import Ddp
+from gpumagic.dataparallel.strategies.dp import Dp
+from gpumagic.dataparallel.strategies.fsdp import Fsdp
+from gpumagic.dataparallel.strategies.launch import Launch
 
 
 def test_plan_picks_cpu_processes_without_gpus():
     plan = make_plan(nprocs=3, gpus=[])
-    assert (plan.strategy, plan.devices, plan.backend) == ("ddp", ["cpu"] * 3, "gloo")
+    assert (plan.strategy, plan.devices, plan.backend) == (Ddp(), ["cpu"] * 3, "gloo")
     assert make_plan(gpus=[]).devices == ["cpu", "cpu"]
-    assert make_plan(strategy="dp", gpus=[]).devices == ["cpu"]
+    dp = make_plan(strategy="dp", gpus=[])
+    assert dp.devices == ["cpu"] and isinstance(dp.strategy, Dp)
 
 
 def test_gpus_a_cpu_only_torch_cannot_use_hold_no_ranks(monkeypatch):
@@ -42,9 +48,6 @@ def test_plan_rejects_bad_input_naming_what_works(kwargs, says):
 
 # --- launch mode: options of gpumagic's DDP wrapper do not apply --------------------------------------
 
-from gpumagic.dataparallel.plan import Plan, check_launch  # noqa: E402
-
-
 @pytest.mark.parametrize("kwargs, flags", [
     (dict(compile="default"), "--compile"),
     (dict(static_graph=True), "--static-graph"),
@@ -62,14 +65,14 @@ def test_launch_refuses_the_ddp_wrapper_options_naming_them(kwargs, flags):
     assert "valid choices: --devices, --nprocs" in str(err.value)
     plan = make_plan(gpus=[], **kwargs)               # without --launch they are fine...
     with pytest.raises(UsageError, match=f"^{flags} configures? .* in launch mode \\(the cell builds a Lightning"):
-        check_launch(plan, "the cell builds a Lightning Trainer (L.Trainer)")   # ...until the cell says launch
+        plan.strategy.for_launch("the cell builds a Lightning Trainer (L.Trainer)", plan.devices)   # ...until launch
 
 
 def test_launch_plan_keeps_the_options_that_apply():
     plan = make_plan(launch=True, gpus=[], nprocs=2, timeout=60, seed=3, all_output=True, models="net")
-    assert (plan.launch, plan.devices, plan.backend, plan.timeout, plan.seed, plan.all_output, plan.models) == (
-        True, ["cpu", "cpu"], "gloo", 60.0, 3, True, ["net"])
-    assert make_plan(gpus=[]).launch is False
+    assert (plan.strategy, plan.devices, plan.backend, plan.timeout, plan.seed, plan.all_output, plan.models) == (
+        Launch("--launch"), ["cpu", "cpu"], "gloo", 60.0, 3, True, ["net"])
+    assert isinstance(make_plan(gpus=[]).strategy, Ddp)
 
 
 def test_launch_with_strategy_dp_is_refused():
@@ -82,7 +85,7 @@ def test_launch_with_strategy_dp_is_refused():
 @pytest.mark.parametrize("devices", [["cuda:1"], ["cuda:1", "cuda:0"], ["cuda:0", "cuda:2"]])
 def test_launch_needs_gpus_cuda0_to_n_in_order(devices):
     with pytest.raises(UsageError) as err:
-        check_launch(Plan("ddp", devices, "nccl"), "--launch")
+        Ddp().for_launch("--launch", devices)
     text = str(err.value)
     assert text.startswith(f"--devices {','.join(devices)}: with --launch, rank k uses GPU LOCAL_RANK=k")
     assert "cuda:0 to cuda:N-1 in order" in text and "CUDA_VISIBLE_DEVICES" in text
@@ -92,16 +95,15 @@ def test_launch_needs_gpus_cuda0_to_n_in_order(devices):
 
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"], ["cpu", "cpu", "cpu"]])
 def test_launch_accepts_gpus_in_order_and_cpu_ranks(devices):
-    assert check_launch(Plan("ddp", devices, "nccl" if devices[0] != "cpu" else "gloo"), "--launch") is None
+    assert Ddp().for_launch("--launch", devices) == Launch("--launch")
 
 
 # --- --strategy fsdp ---------------------------------------------------------------------------------
 
 def test_fsdp_plan_has_worker_processes_and_its_options():
     plan = make_plan(strategy="fsdp", wrap="Block, Head", keep_optimizer=True, gpus=[])
-    assert (plan.strategy, plan.devices, plan.backend) == ("fsdp", ["cpu", "cpu"], "gloo")
-    assert plan.wrap == ["Block", "Head"] and plan.keep_optimizer and plan.processes
-    assert make_plan(strategy="fsdp", gpus=[]).wrap is None
+    assert (plan.strategy, plan.devices, plan.backend) == (Fsdp(["Block", "Head"], True), ["cpu", "cpu"], "gloo")
+    assert plan.strategy.processes and make_plan(strategy="fsdp", gpus=[]).strategy.wrap is None
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -125,7 +127,7 @@ def test_fsdp_options_are_checked_before_anything_starts(kwargs, says):
 
 def test_cluster_plan_leaves_devices_to_the_engines():
     plan = make_plan(cluster="myprofile", nprocs=4, gpus=[])
-    assert (plan.cluster, plan.nprocs, plan.devices, plan.strategy) == ("myprofile", 4, [], "ddp")
+    assert (plan.cluster, plan.nprocs, plan.devices, plan.strategy) == ("myprofile", 4, [], Ddp())
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -150,3 +152,12 @@ def test_options_of_worker_processes_are_refused_with_strategy_dp(given, flag):
         make_plan(strategy="dp", gpus=[], **given)
     assert str(err.value) == (f"{flag} applies to worker processes (--strategy ddp or fsdp); --strategy dp runs "
                               f"the cell in the kernel; valid choices: --strategy ddp {flag}, --strategy dp")
+
+
+def test_each_strategy_owns_its_options():
+    plan = make_plan(gpus=[], static_graph=True, bucket_mb=50, grad_dtype="BF16", compile="reduce-overhead")
+    assert plan.strategy == Ddp(static_graph=True, bucket_mb=50, grad_dtype="bf16", compile="reduce-overhead")
+    assert Ddp.OPTIONS == ("static_graph", "find_unused", "bucket_mb", "grad_dtype", "compile")
+    assert Fsdp.OPTIONS == ("wrap", "keep_optimizer") and Dp.OPTIONS == ()
+    with pytest.raises(UsageError, match="valid choices: default, reduce-overhead"):
+        make_plan(gpus=[], compile="fast")

@@ -1,4 +1,4 @@
-"""Files a %%dataparallel cell writes are rank 0's, written once (gpumagic.dataparallel.rank_files).
+"""Files a %%dataparallel cell writes are rank 0's, written once (gpumagic.dataparallel.rank.files).
 
 Before, every rank saved the tutorial checkpoint to the same path: the file held whichever rank
 finished last (rank 1's loss beside the notebook's rank 0 values), and two writes at once could
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from gpumagic.dataparallel.rank_files import writing_once
+from gpumagic.dataparallel.rank.files import writing_once
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell, dp_pool
 

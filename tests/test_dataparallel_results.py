@@ -1,5 +1,6 @@
-"""What a %%dataparallel cell leaves in the notebook (gpumagic.dataparallel.results): the cell's functions,
-classes and imports defined there, and a module whose layers the cell replaced taking the trained layers."""
+"""What a %%dataparallel cell leaves in the notebook: the cell's functions, classes and imports defined there
+(gpumagic.cell.definitions), and a module whose layers the cell replaced taking the trained layers
+(gpumagic.dataparallel.strategies.trained)."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +13,9 @@ import torch
 from torch import nn
 
 from gpumagic.cell.definitions import define_in_notebook
-from gpumagic.dataparallel.results import CellResult, load_into_notebook
+from gpumagic.dataparallel.kernel.result import DataParallelResult
+from gpumagic.dataparallel.protocol import RankStats, Trained
+from gpumagic.dataparallel.strategies.trained import load_trained
 
 CELL = """\
 import json as js
@@ -153,10 +156,9 @@ def test_reshaped_module_adopts_the_trained_layers_in_place():
         trained.steps.fill_(5)
     expected = {k: v.clone() for k, v in trained.state_dict().items()}
     ns = {"model": model}
-    state = {"modules": {"model": trained.state_dict()}, "optimizers": {}, "stateful": {}, "values": {},
-             "reshaped": {"model": trained}}
+    state = Trained(modules={"model": trained.state_dict()}, reshaped={"model": trained})
 
-    assert load_into_notebook(ns, state, {"model": model}, {}, [])["values"] == []
+    assert load_trained(ns, state, {"model": model}, {}, []) == ([], [])
 
     assert ns["model"] is model                                   # the notebook's object, in place
     assert len(model) == 3
@@ -183,9 +185,8 @@ def test_modules_not_reshaped_still_load_their_state_dict_in_place():
     weight = model.weight
     got = {k: v + 1 for k, v in model.state_dict().items()}
     trained_other = nn.Sequential(nn.Linear(3, 4))
-    state = {"modules": {"model": got, "other": {}}, "optimizers": {}, "stateful": {}, "values": {},
-             "reshaped": {"other": trained_other}}
-    load_into_notebook({}, state, {"model": model, "other": other}, {}, [])
+    state = Trained(modules={"model": got, "other": {}}, reshaped={"other": trained_other})
+    load_trained({}, state, {"model": model, "other": other}, {}, [])
     assert model.weight is weight and torch.equal(model.weight, got["weight"])
     assert len(other) == 1 and other[0].out_features == 4 and other[0] is not trained_other[0]
 
@@ -203,18 +204,18 @@ def test_a_stateful_object_that_refuses_its_state_is_named_with_what_was_loaded_
     model = nn.Linear(3, 2)
     got = {k: v + 1 for k, v in model.state_dict().items()}
     ns = {"model": model, "sched": Picky(), "epochs": 1}
-    state = {"modules": {"model": got}, "optimizers": {}, "stateful": {"sched": {"v": 2}},
-             "values": {"epochs": 5}, "assigned": ["epochs"]}
+    state = Trained(modules={"model": got}, stateful={"sched": {"v": 2}})
     with pytest.raises(RuntimeError, match=r"sched.load_state_dict raised ValueError: wrong version. The trained "
                                            r"state was already loaded into model, which keep it; sched and the "
                                            r"cell's other values are as before the cell"):
-        load_into_notebook(ns, state, {"model": model}, {}, ["sched"])
+        load_trained(ns, state, {"model": model}, {}, ["sched"])
     assert torch.equal(model.weight, got["weight"]) and ns["epochs"] == 1
 
 
 def test_the_summary_names_what_came_back_but_not_a_throwaway_loop_variable():
-    result = CellResult(devices=["cpu", "cpu"], backend="gloo", modules=["model"], optimizers=["opt"], loaders=[],
-                        stateful=[], values=["_", "losses"], per_rank={0: {"steps": 4}, 1: {"steps": 4}})
+    result = DataParallelResult(devices=["cpu", "cpu"], backend="gloo", modules=["model"], optimizers=["opt"],
+                                loaders=[], stateful=[], values=["_", "losses"],
+                                per_rank={0: RankStats(steps=4), 1: RankStats(steps=4)})
     assert result.summary() == ("%%dataparallel: 2 ranks (gloo), 4 optimizer steps each; trained state loaded "
                                 "into model, opt; values: losses")
 
@@ -227,22 +228,9 @@ def test_a_reshaped_module_takes_the_last_gradients_too():
     trained = copy.deepcopy(model)
     trained[1] = nn.Linear(8, 3)
     grads = {k: torch.full_like(p, 0.5) for k, p in trained.named_parameters()}
-    state = {"modules": {"model": trained.state_dict()}, "optimizers": {}, "stateful": {}, "values": {},
-             "reshaped": {"model": trained}, "grads": {"model": grads}}
-    load_into_notebook({"model": model}, state, {"model": model}, {}, [])
+    state = Trained(modules={"model": trained.state_dict()}, reshaped={"model": trained}, grads={"model": grads})
+    load_trained({"model": model}, state, {"model": model}, {}, [])
     assert model[1].out_features == 3
     for k, p in model.named_parameters():
         assert torch.equal(p.grad, grads[k]), k
 
-
-def test_two_views_of_one_tensor_each_keep_the_items_the_cell_set():
-    # ``row[3] = 5`` and ``cols[2, 1] = 7`` on two views of one notebook tensor: each travels alone, so
-    # each comes back with the other's item as it was; neither may undo the other's
-    base = torch.zeros(4, 6)
-    ns = {"base": base, "row": base[1], "cols": base.t()}
-    row, cols = ns["row"].clone(), ns["cols"].clone()
-    row[3], cols[2, 1] = 5.0, 7.0
-    state = {"modules": {}, "optimizers": {}, "stateful": {}, "values": {"row": row, "cols": cols}}
-    load_into_notebook(ns, state, {}, {}, [])
-    assert ns["row"]._base is base and ns["cols"]._base is base
-    assert base[1, 3] == 5.0 and base[1, 2] == 7.0 and base.count_nonzero() == 2

@@ -9,7 +9,6 @@ ranks (a wrapper holding modules, a framework trainer) is named with the reason.
 from __future__ import annotations
 
 import ast
-import threading
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 from tqdm.auto import tqdm
 
 from gpumagic.cell.names import attributes_assigned
-from gpumagic.dataparallel.returnable import attribute_snapshot, changed_attributes
 from gpumagic.procs.returning import NotReturnable, pickled_for_notebook
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell
@@ -72,7 +70,9 @@ predictions = preds.numpy()                # a numpy array
 summary = Summary(float(loss), 16)         # an instance of a class the cell defines
 config = argparse.Namespace(width=8)
 holder = {"net": model, "opt": opt}       # holds the notebook's model and optimizer: those, trained
-made = {"net": torch.nn.Linear(2, 2)}      # holds a module made in the cell: stays in the ranks
+made = {"net": torch.nn.Linear(2, 2)}      # holds a module made in the cell: it comes back whole
+kept = {"net": made["net"], "step": opt}   # holds it too: the same module
+made_opt = {"opt": torch.optim.SGD(made["net"].parameters(), lr=0.1)}   # an optimizer made in the ranks: stays
 """)
     ns = shell.user_ns
     assert isinstance(ns["preds"], torch.Tensor) and ns["preds"].device.type == "cpu"
@@ -83,10 +83,12 @@ made = {"net": torch.nn.Linear(2, 2)}      # holds a module made in the cell: st
     assert isinstance(ns["summary"], ns["Summary"]) and ns["summary"].steps == 16   # the notebook's class
     assert ns["config"].width == 8
     assert ns["holder"]["net"] is ns["model"] and ns["holder"]["opt"] is ns["opt"]   # as after a plain cell
-    assert "made" not in ns
+    made = ns["made"]["net"]
+    assert type(made) is torch.nn.Linear and made.weight.device.type == "cpu" and ns["kept"]["net"] is made
+    assert ns["kept"]["step"] is ns["opt"] and "made_opt" not in ns
     note = cap.stderr.split("not brought back")[1].splitlines()[0]
-    assert "made (holds a torch.nn.Module (Linear), which stays in the ranks)" in note, note
-    assert "holder" not in note
+    assert "made_opt (holds an optimizer (SGD), which stays in the ranks)" in note, note
+    assert "holder" not in note and "made (" not in note
 
 
 def test_objects_the_cell_binds_hold_the_notebooks_objects_and_classes(shell):
@@ -284,88 +286,6 @@ def _accelerator_like():
     return type("Accelerator", (), {"__module__": "accelerate.accelerator"})()
 
 
-def test_changed_attributes_compare_copies_and_name_what_is_not_plain():
-    class Box:
-        pass
-    box, other = Box(), Box()
-    box.items, box.count, box._private = [1], 0, 5
-    other.x = 1
-    ns = {"box": box, "other": other}
-    box.samples = list(range(20_000))   # too long to copy each cell: its items compared by identity
-    before = attribute_snapshot(ns, ["box"], {"other": ["x", "y"]})
-    assert "samples" in before["box"][0]
-    box.items.append(2)            # changed in place: the copy tells
-    box.count += 1
-    box._private = 6               # private: not the user's
-    box.new = "yes"
-    box.samples.append(1)          # (what changed comes back: test_dataparallel_long_attributes)
-    other.x = 1                    # set, unchanged
-    other.y = threading.Lock()     # (a model made in the cell comes back: containers_hostile; a picklable
-    out = changed_attributes(ns, before, ["box"])   # object too: test_names_bound_to_notebook_objects...)
-    assert out.changed == {"box": {"items": [1, 2], "count": 1, "new": "yes"}} and out.filled == {}
-    assert out.dropped == ["other.y (cannot be pickled, or holds what stays in the ranks)"]
-    assert list(out.items["box"]) == ["samples"]
-
-
-def test_changed_attributes_tell_tensors_changed_in_place_from_tensors_bound_anew():
-    class Box:
-        pass
-    box = Box()
-    box.buf, box.rows, box.arr, box.same, box.rebound = torch.zeros(3), torch.zeros(2, 2), np.zeros(2), \
-        torch.ones(2), torch.zeros(1)
-    ns = {"box": box}
-    before = attribute_snapshot(ns, ["box"], {})
-    box.buf.add_(1)
-    box.rows[1] = torch.tensor([5.0, 6.0])
-    box.arr[0] = 7
-    box.rebound = torch.full((1,), 9.0)
-    box.new = torch.arange(2)
-    out = changed_attributes(ns, before, ["box"])
-    assert set(out.filled["box"]) == {"buf", "rows", "arr"}
-    assert torch.equal(out.filled["box"]["rows"][1], torch.tensor([5.0, 6.0]))
-    assert set(out.changed["box"]) == {"rebound", "new"} and out.dropped == []
-
-
-def test_containers_holding_objects_describe_their_new_items_by_the_old_ones():
-    from gpumagic.dataparallel.containers import apply, changes, snapshot
-    # (a model made in the cell comes back: containers_hostile; an object that pickles: containers_back)
-    model, made = torch.nn.Linear(1, 1), threading.Lock()
-    ns = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
-          "bag": {"model": model}, "same": {"model": model, "n": 1}}
-    kernel = {"held": {"n": 1, "model": model, "buf": torch.zeros(2), "old": 0}, "runs": [model, 1],
-              "bag": {"model": model}, "same": {"model": model, "n": 1}}
-    kernel_buf = kernel["held"]["buf"]
-    before = snapshot(ns, list(ns))
-    ns["held"]["n"] = 2
-    ns["held"]["buf"].add_(1)
-    del ns["held"]["old"]
-    ns["runs"].insert(0, 0.5)
-    ns["bag"]["made"] = made
-    back, dropped = changes(ns, before)
-    assert set(back) == {"held", "runs"}
-    assert dropped and dropped[0].startswith("bag (the cell changed its items, and 'made' now holds")
-    assert apply(kernel, back) == ["held", "runs"]
-    assert kernel["held"]["n"] == 2 and kernel["held"]["model"] is model and "old" not in kernel["held"]
-    assert kernel["held"]["buf"] is kernel_buf and torch.equal(kernel_buf, torch.ones(2))
-    assert kernel["runs"] == [0.5, model, 1] and kernel["runs"][1] is model
-
-
-def test_changed_attributes_take_tensors_kept_with_their_graph():
-    """``log.losses.append(loss)`` keeps each loss's graph (fine in a plain cell); copying it raised after
-    the whole training had run."""
-    class Log:
-        pass
-    log = Log()
-    log.losses = []
-    ns = {"log": log}
-    before = attribute_snapshot(ns, ["log"], {})
-    w = torch.ones(2, requires_grad=True)
-    log.losses.append((w * 3).sum())
-    out = changed_attributes(ns, before, ["log"])
-    assert out.dropped == [] and out.changed["log"]["losses"] == [torch.tensor(6.0)]
-    assert not out.changed["log"]["losses"][0].requires_grad
-
-
 def test_module_settings_carry_what_a_module_collects_into_the_same_list():
     from gpumagic.cell.module_settings import apply_settings, module_settings
     trained, notebook = torch.nn.Sequential(torch.nn.Linear(2, 1)), torch.nn.Sequential(torch.nn.Linear(2, 1))
@@ -376,101 +296,6 @@ def test_module_settings_carry_what_a_module_collects_into_the_same_list():
     apply_settings(notebook, settings)
     assert notebook.losses is kept and kept == [torch.tensor(2.0)] and not kept[0].requires_grad
     assert notebook[0].history == {"epoch": [1, 2]}
-
-
-def test_lists_and_dicts_of_tensors_on_notebook_objects_are_described_by_their_items():
-    """``self.outs.append(model(x).detach())`` on a notebook object: the list was "not a plain value" and
-    stayed empty in the notebook."""
-    from gpumagic.dataparallel.containers import Room
-    from gpumagic.dataparallel.results import _apply_items
-
-    class Box:
-        pass
-
-    def boxes():
-        box = Box()
-        box.outs, box.held, box.by_key, box.made, box.rebound = [], [torch.zeros(2)], {}, [], []
-        return box
-    rank, kernel = boxes(), boxes()
-    kernel_outs, kernel_held, kernel_first = kernel.outs, kernel.held, kernel.held[0]
-    ns = {"box": rank}
-    before = attribute_snapshot(ns, ["box"], {})
-    rank.outs.append(torch.ones(2, 3, requires_grad=True) * 2)
-    rank.held[0].add_(1)
-    rank.held.append(torch.full((1,), 7.0))
-    rank.by_key["a"] = torch.arange(3)
-    rank.made.append(threading.Lock())   # an object made in the cell that cannot be pickled (a model comes back)
-    rank.rebound = [torch.zeros(1)]                   # bound anew: a new list in the notebook too
-    out = changed_attributes(ns, before, ["box"])
-    assert set(out.items["box"]) == {"outs", "held", "by_key", "rebound"}
-    assert out.dropped == ["box.made (holds objects made in the cell that cannot come back: they cannot be "
-                           "pickled, or hold what stays in the ranks)"]
-    assert _apply_items({"box": kernel}, out.items) == ["box.outs", "box.held", "box.by_key", "box.rebound"]
-    assert kernel.outs is kernel_outs and torch.equal(kernel_outs[0], torch.full((2, 3), 2.0))
-    assert not kernel_outs[0].requires_grad
-    assert kernel.held is kernel_held and kernel_held[0] is kernel_first      # the notebook's tensor, filled
-    assert torch.equal(kernel_first, torch.ones(2)) and torch.equal(kernel_held[1], torch.full((1,), 7.0))
-    assert torch.equal(kernel.by_key["a"], torch.arange(3)) and kernel.made == []
-    assert kernel.rebound is not kernel_outs and torch.equal(kernel.rebound[0], torch.zeros(1))
-
-    # the tensors of one cell's lists share what a cell brings back
-    rank = boxes()
-    before = attribute_snapshot({"box": rank}, ["box"], {})
-    rank.outs += [torch.zeros(64), torch.zeros(64)]
-    out = changed_attributes({"box": rank}, before, ["box"], room=Room(300))
-    assert "outs" not in out.items.get("box", {})
-    assert out.dropped == ["box.outs (its tensors are larger than the 0 MB a cell brings back; save them from the "
-                           "cell)"]
-
-
-def test_datasets_set_on_notebook_objects_come_back_holding_the_notebooks_own():
-    """A DataModule's ``self.train_set, self.val_set = random_split(full, ...)``: rank 0's Subsets come back
-    over the notebook's ``full`` (not a copy); what cannot be pickled keeps its note."""
-    import threading
-
-    from torch.utils.data import Dataset, Subset, TensorDataset, random_split
-
-    from gpumagic.dataparallel.by_reference import loaded, notebook_objects, resolved
-    from gpumagic.dataparallel.containers import Room
-    from gpumagic.dataparallel.rank_state import _datasets
-
-    class Data:
-        pass
-
-    class Locked(Dataset):
-        def __init__(self):
-            self.lock = threading.Lock()
-
-    X = torch.arange(10.0)
-    rank_full, kernel_full = TensorDataset(X), TensorDataset(X.clone())
-    rank_dm, kernel_dm = Data(), Data()
-    rank_dm.source = rank_full
-    kernel_dm.source = kernel_full
-    ns = {"full": rank_full, "dm": rank_dm, "n": 3}
-    before = attribute_snapshot(ns, ["dm"], {})
-    refs = notebook_objects(ns, [], before)
-    assert refs[id(rank_full)][0] == "full"          # by its own name, before dm.source
-    rank_dm.train_set, rank_dm.val_set = random_split(rank_full, [7, 3], generator=torch.Generator().manual_seed(0))
-    own = TensorDataset(torch.ones(2))
-    rank_dm.a, rank_dm.b = Subset(own, [0]), Subset(own, [1])
-    out = changed_attributes(ns, before, ["dm"])
-    assert set(out.datasets["dm"]) == {"train_set", "val_set", "a", "b"} and out.dropped == []
-    state: dict = {"not_returned": []}
-    blob, paths, names = _datasets(state, out.datasets, refs, Room())
-    assert paths == ["full"] and state["not_returned"] == []
-    got = loaded(blob, resolved(paths, {"full": kernel_full, "dm": kernel_dm}))["dm"]
-    assert got["train_set"].dataset is kernel_full and got["val_set"].dataset is kernel_full
-    assert list(got["train_set"].indices) == list(rank_dm.train_set.indices)
-    assert got["a"].dataset is got["b"].dataset and torch.equal(got["a"].dataset.tensors[0], torch.ones(2))
-
-    rank_dm.locked = Locked()
-    out = changed_attributes(ns, before, ["dm"])
-    state = {"not_returned": []}
-    assert _datasets(state, {"dm": {"locked": rank_dm.locked}}, refs, Room()) is None
-    assert state["not_returned"][0].startswith("dm.locked (Locked: TypeError: cannot pickle")
-    state = {"not_returned": []}
-    assert _datasets(state, {"dm": {"a": rank_dm.a}}, refs, Room(10)) is None
-    assert "larger than the 0 MB a cell brings back" in state["not_returned"][0]
 
 
 def test_a_view_comes_back_by_its_storage_not_densely():

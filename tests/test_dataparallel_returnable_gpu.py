@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.dataparallel_helpers import dp_cell

@@ -8,10 +8,9 @@ import copy
 import pytest
 import torch
 
-from gpumagic.dataparallel.run import last_result
 from gpumagic.errors import WorkerError
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import REGRESSION, dp_cell, trained_in_one_process
+from tests.dataparallel_helpers import REGRESSION, dp_cell, last_result, trained_in_one_process
 
 SETUP = REGRESSION + """
 
@@ -58,7 +57,7 @@ def test_a_trainer_object_holding_the_model_and_loader_trains_split_and_averaged
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
     # each rank took its share of every batch through DDP: one process's result, half the samples each
     assert _same(ns["model"], reference)
-    assert {r: s["samples"] for r, s in result.per_rank.items()} == {0: 16, 1: 16}
+    assert {r: s.samples for r, s in result.per_rank.items()} == {0: 16, 1: 16}
     assert ns["trainer"].seen == 16 and ns["trainer"].model is ns["model"] and ns["trainer"].loader is ns["loader"]
 
 
@@ -107,7 +106,7 @@ def test_an_object_whose_getattr_raises_keyerror_is_read_without_asking_it():
 
     from gpumagic.cell.names import used_names
     from gpumagic.cell.values import is_stateful
-    from gpumagic.dataparallel.wrapping import held_objects_swapped
+    from gpumagic.dataparallel.rank.swaps import held_objects_swapped
     ns = {"__name__": "__main__"}
     exec(ATTRIBUTE_DICT, ns)
     assert used_names(ast.parse("model(X) * hp.scale"), ns)[:3] == ["model", "X", "hp"]

@@ -1,4 +1,4 @@
-"""gpumagic.dataparallel.warm: when a rank may train the model it compiled in an earlier cell.
+"""gpumagic.dataparallel.strategies.ddp_warm: when a rank may train the model it compiled in an earlier cell.
 
 A model is shipped here as to a rank: cloudpickle, in this process, hands back the
 same class object for a class it has seen, with fresh copies of its functions.
@@ -9,7 +9,7 @@ import cloudpickle
 import torch
 from torch import nn
 
-from gpumagic.dataparallel.warm import Adopted, WarmModels, _same, follow_kept
+from gpumagic.dataparallel.strategies.ddp_warm import Adopted, WarmModels, _same, follow_kept
 
 OPTIONS = (("gradient_as_bucket_view", True),), "fp32", "default", "cpu"
 

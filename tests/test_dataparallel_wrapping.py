@@ -1,9 +1,9 @@
-"""What a rank rewrites in a cell: cuda spellings mean the rank's own GPU (gpumagic.dataparallel.wrapping)."""
+"""What a rank rewrites in a cell: cuda spellings mean the rank's own GPU (gpumagic.dataparallel.rank.devices)."""
 from __future__ import annotations
 
 import ast
 
-from gpumagic.dataparallel.wrapping import RankDevice
+from gpumagic.dataparallel.rank.devices import RankDevice
 
 
 def test_cuda_spellings_mean_the_rank_gpu():
@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gpumagic.dataparallel.wrapping import cell_ddp_class, wrap_in_ddp  # noqa: E402
+from gpumagic.dataparallel.strategies.ddp_wrapper import cell_ddp_class, wrap_in_ddp  # noqa: E402
 
 
 class Net(nn.Module):

@@ -128,7 +128,9 @@ def test_no_import_cycle():
 
 def _declared(tree: ast.Module) -> list[str] | None:
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             return list(ast.literal_eval(node.value))
     return None
 

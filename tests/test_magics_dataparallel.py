@@ -24,13 +24,12 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.errors import WorkerDied, WorkerError
 from gpumagic.procs import pool as poolmod
 from gpumagic.procs.loaders import shard_loader
 from tests.conftest import ROOT, run_cell
-from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead
+from tests.dataparallel_helpers import alive, dp_cell, dp_pool, last_result, wait_dead
 
 CPU2 = "--devices cpu --nprocs 2"
 pytestmark = pytest.mark.filterwarnings("ignore:the cell reads no DataLoader")
@@ -164,8 +163,8 @@ def test_equivalence_with_single_process_training(shell):
     # rank 0's losses are over its half of each batch: 8 steps, close to the full-batch losses
     assert len(losses) == 8 and abs(ns["final_loss"] - losses[-1]) < 1e-6
     result = last_result()
-    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
-    assert {r: s["samples"] for r, s in result.per_rank.items()} == {0: 64, 1: 64}
+    assert {r: s.steps for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert {r: s.samples for r, s in result.per_rank.items()} == {0: 64, 1: 64}
     assert result.modules == ["model"] and result.optimizers == ["opt"] and result.loaders == ["loader"]
 
 

@@ -13,12 +13,11 @@ import pytest
 import torch
 from IPython.utils.capture import capture_output
 
-from gpumagic.dataparallel.plan import POOL_NAME
-from gpumagic.dataparallel.run import last_result
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.errors import WorkerError
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
-from tests.dataparallel_helpers import dp_cell, dp_pool, wait_dead
+from tests.dataparallel_helpers import dp_cell, dp_pool, last_result, wait_dead
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 
@@ -92,7 +91,7 @@ def test_two_gpus_train_and_weights_come_back_where_the_model_lives(shell, where
     for p, q in zip(model.parameters(), ref.parameters()):   # the last step's averaged gradients too
         assert p.grad.device == p.device
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), atol=1e-4, rtol=1e-4)
-    assert {r: s["steps"] for r, s in result.per_rank.items()} == {0: 8, 1: 8}
+    assert {r: s.steps for r, s in result.per_rank.items()} == {0: 8, 1: 8}
     assert isinstance(ns["final_loss"], float)
 
 
@@ -233,15 +232,16 @@ def check_compiled_cells_stay_warm(shell, line: str) -> float:
     assert "--compile: the compiled model was reused, nothing recompiled" in cap.stderr, cap.stderr
     assert_weights(ns, four)
     result = last_result()
-    from_start = result.timings["start"] + result.per_rank[0]["first_step"]
+    from_start = result.timings["start"] + result.per_rank[0].first_step
     assert from_start < 2.0, result.timings
     return from_start
 
 
 def test_progress_reads_each_ranks_gpu_load_from_nvml():
-    from gpumagic.dataparallel.progress import Progress
+    from gpumagic.dataparallel.kernel.progress import Progress
+    from gpumagic.dataparallel.protocol import RankStats
     progress = Progress(["cuda:0", "cuda:1"], shell=None)
-    progress.update(0, {"steps": 1, "samples": 2, "seconds": 1.0})
+    progress.update(0, RankStats(steps=1, samples=2, seconds=1.0))
     rows = progress.rows()
     assert progress.header[-2:] == ["GPU util", "GPU memory"]
     for row in rows:

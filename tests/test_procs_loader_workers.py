@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import ROOT, run_cell
 from tests.dataparallel_helpers import alive, dp_cell, dp_pool, wait_dead

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from gpumagic.procs import process_group as pg
-from gpumagic.dataparallel.launch import launched
+from gpumagic.dataparallel.strategies.launch_rank import launched
 
 rank, world, path, port, env_port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 out = {"before": pg.is_pool_group(), "ensure_before": pg.ensure_pool_group()}   # no join yet: nothing to do

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["gpumagic.procs.worker", "gpumagic.dataparallel.rank",
+@pytest.mark.parametrize("module", ["gpumagic.procs.worker", "gpumagic.dataparallel.rank.task",
                                     "gpumagic.sharedtrain.worker"])
 def test_a_worker_side_module_imports_no_ipython(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'IPython'))"

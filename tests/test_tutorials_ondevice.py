@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpumagic.cell.device_values import DeviceName, stands_for_cell_device
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.notebook_helpers import run_notebook, stream_text

@@ -10,7 +10,7 @@ import torch
 
 from gpumagic.cell.device_values import DeviceName
 from gpumagic.cell.rewrite.cuda_calls import HostStream
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.test_magics_ondevice import ARTICLE_STREAM

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from gpumagic.dataparallel.plan import POOL_NAME
+from gpumagic.dataparallel.ranks.local import POOL_NAME
 from gpumagic.procs import pool as poolmod
 from tests.conftest import run_cell
 from tests.notebook_helpers import run_notebook, stream_text

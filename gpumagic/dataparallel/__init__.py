@@ -1,12 +1,28 @@
 """``%%dataparallel``: train a cell's model on every device; the trained weights come back.
 
-* :mod:`.plan` - which devices, strategy and backend (bad options are ``UsageError``);
-* :mod:`.run` - the kernel's side: what the cell trains, shipped to the pool, results loaded;
-* :mod:`.rank` - the ranks' side: DDP-wrapped modules, split loaders, the cell run;
-* :mod:`.wrapping` - the DDP wrapper and the ``cuda:k`` rewrite a rank applies;
-* :mod:`.results` - what a cell did, and rank 0's state loaded into the notebook;
-* :mod:`.dp` - ``--strategy dp``: each model call split over the devices, in the kernel;
-* :mod:`.progress` - steps and samples per rank while a cell runs.
+The package is cut by job, and its arrows go one way: the kernel's side uses the strategies, the strategies'
+rank halves use the rank's side, and everything that crosses between kernel and ranks is a dataclass of
+:mod:`.protocol`.
 
-The processes themselves are :mod:`gpumagic.procs`.
+* :mod:`.plan` - the magic's options as a plan: devices, backend, and the strategy with its own options;
+* :mod:`.protocol` - what the kernel and the ranks exchange, and nothing else;
+* :mod:`.kernel` - a cell in the kernel: read, shipped, run, its result loaded
+  (:func:`~.kernel.train.run_cell`; from plain Python :func:`~.kernel.train.train_parallel`);
+* :mod:`.strategies` - DDP, FSDP, launch mode and DP behind one interface: what each does in the kernel before
+  the cell, on each rank around it, and in the kernel after it;
+* :mod:`.rank` - a cell on one rank: unpacked, run, answered;
+* :mod:`.sync` - the way back: what the cell changed in the notebook, captured on rank 0 and applied in the
+  kernel through one by-name pickler;
+* :mod:`.ranks` - what runs the ranks: this machine's worker pool, or an ipyparallel cluster's engines.
+
+The processes themselves are :mod:`gpumagic.procs`. This package's ``__init__`` imports none of its modules: a
+rank imports only the rank's side.
+
+In a notebook::
+
+    %%dataparallel --nprocs 2
+    for x, y in loader: ...
 """
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -5,7 +5,7 @@
 * :mod:`.worker` - inside a worker: one main loop running tasks, output forwarded;
 * :mod:`.group` - the kernel's side of a set of workers: start, collect, end;
   :mod:`.pool` - a persistent group joined in a ``torch.distributed`` process group;
-  (ranks on other machines: ipyparallel engines, :mod:`gpumagic.dataparallel.cluster`)
+  (ranks on other machines: ipyparallel engines, :mod:`gpumagic.dataparallel.ranks.cluster`)
 * :mod:`.wire` - the one wire format for values and tensors; :mod:`.bulk` - bytes through
   anonymous shared memory; :mod:`.tensor_cache` - tensors workers keep between cells;
 * :mod:`.output` - workers' output in the cell, ``[rank N]``; :mod:`.failures` - worker errors;

@@ -53,7 +53,7 @@ class WorkerPool(WorkerGroup):
     imports while starting (what a first task would import anyway).
     The rendezvous is a private file store and the process group listens on
     loopback only (ranks on other machines are ipyparallel engines:
-    :mod:`gpumagic.dataparallel.cluster`).
+    :mod:`gpumagic.dataparallel.ranks.cluster`).
     """
 
     def __init__(self, devices, backend: str | None = "gloo", *, timeout: float = 1800.0,
@@ -67,7 +67,6 @@ class WorkerPool(WorkerGroup):
         self.started_at: float | None = None
         self.start_seconds: float | None = None
         self.tasks_run = 0
-        self.held: set = set()          # fingerprint keys every worker holds (see .tensor_cache)
         self.kernel_view: KernelView | None = None   # the kernel's directory and environment, as the workers know it
         self.state = "new"              # new | running | stopped | dead
         self._store: Any = None      # the rendezvous (see .rendezvous) while running
@@ -153,7 +152,6 @@ class WorkerPool(WorkerGroup):
             if self._store is not None:
                 self._store.close()
             self._store = None
-            self.held = set()
             if self._outgoing is not None:
                 self._outgoing.close()
                 self._outgoing = None

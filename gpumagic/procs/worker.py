@@ -87,6 +87,8 @@ class WorkerContext:
         self._send_lock = threading.Lock()
         self.streams = (ForwardedStream(self, "stdout"), ForwardedStream(self, "stderr"))
         self.descriptors: DescriptorOutput | None = None   # fd 1 and 2, read back (a local worker)
+        # where ranks span machines (ipyparallel engines): local_rank, local_world_size, node_rank, nodes
+        self.node: dict | None = None
 
     def capture_descriptors(self) -> None:
         """C-level output (and a subprocess's) follows the rank's prints: rank 0's to the cell, every
@@ -362,12 +364,22 @@ def _task_function(name: str):
     return fn
 
 
+def _shown(meta) -> tuple[bool, bool]:
+    """``(every rank's output shown, the kernel is a notebook's)``, as a task's ``meta`` says: a dict's
+    ``all_output`` and ``notebook`` keys (``%%sharedtrain``'s), or attributes of those names
+    (``%%dataparallel``'s CellOrder); neither, for other tasks."""
+    if isinstance(meta, dict):
+        return bool(meta.get("all_output")), bool(meta.get("notebook"))
+    return bool(getattr(meta, "all_output", False)), bool(getattr(meta, "notebook", False))
+
+
 def _run_task(ctx: WorkerContext, job: list) -> None:
     """Run ``job`` (``[task, meta, data]``, emptied here) with the rank's output forwarded; reports
     its result or its exception."""
     task, meta, data = job
     job.clear()
-    ctx.forward = ctx.rank == 0 or (isinstance(meta, dict) and bool(meta.get("all_output")))
+    every_rank, notebook = _shown(meta)
+    ctx.forward = ctx.rank == 0 or every_rank
     real_out, real_err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = ctx.streams
     ctx.in_task = True
@@ -380,8 +392,6 @@ def _run_task(ctx: WorkerContext, job: list) -> None:
             ensure_pool_group()   # the last cell may have ended the pool's group or left its own
         # A notebook kernel's task: its tqdm bars show as a notebook's (tqdm_relay), saying their rank
         # where every rank's output is shown.
-        notebook, every_rank = (bool(meta.get(k)) for k in ("notebook", "all_output")) if isinstance(meta, dict) \
-            else (False, False)
         with notebook_bars(notebook, labelled=every_rank):
             result = _task_function(task)(ctx, meta, data)
         payload, buffer = result if isinstance(result, tuple) and len(result) == 2 else (result, None)

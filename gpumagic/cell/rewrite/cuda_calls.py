@@ -41,7 +41,7 @@ import time
 from .part import PlacementPart
 from .values import said_cuda, said_cuda_name
 
-__all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer", "watch_streams", "unwatch_streams"]
+__all__ = ["CudaCalls", "HostStream", "HostEvent", "NoCudaAnswer", "watch_streams", "unwatch_streams", "device_name"]
 
 # Counters of torch's CUDA caching allocator: a device without one holds nothing in it.
 _ZERO = frozenset({"memory_allocated", "memory_reserved", "memory_cached", "max_memory_allocated",
