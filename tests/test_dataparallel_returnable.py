@@ -318,13 +318,15 @@ def test_a_view_comes_back_by_its_storage_not_densely():
 
 
 def test_an_expanded_view_the_cell_binds_comes_back_as_a_view(shell):
-    # bound to a name, set on a notebook object, put in a notebook dict or list: each the view it was
-    run_cell(shell, SETUP + "held = {'n': 1, 'model': model}\nrows = []\n")
+    # bound to a name, set on a notebook object, put in a notebook dict or list, appended to a list a notebook
+    # object holds (``self.outs.append(view)``): each the view it was, judged by its storage on rank 0 (1.6 GB
+    # of elements, past the 256 MB a cell brings back, would be named had it been made dense)
+    run_cell(shell, SETUP + "held = {'n': 1, 'model': model}\nrows = []\nlog.outs = []\n")
     _, cap = dp_cell(shell, CPU2, "mask = torch.ones(1).expand(20000, 20000)\nlog.mask = mask[:2]\n"
-                                  "held['m'] = mask.T\nrows.append(mask)\nout = model(X)\n")
+                                  "held['m'] = mask.T\nrows.append(mask)\nlog.outs.append(mask)\nout = model(X)\n")
     ns = shell.user_ns
     assert "not brought back" not in cap.stderr, cap.stderr
     for view, shape in [(ns["mask"], (20000, 20000)), (ns["log"].mask, (2, 20000)), (ns["held"]["m"], (20000, 20000)),
-                        (ns["rows"][0], (20000, 20000))]:
+                        (ns["rows"][0], (20000, 20000)), (ns["log"].outs[0], (20000, 20000))]:
         assert view.shape == shape and view.stride() == (0, 0) and view.untyped_storage().nbytes() == 4
         assert view[-1, -1].item() == 1.0
