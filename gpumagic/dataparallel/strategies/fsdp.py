@@ -40,7 +40,7 @@ from .fsdp_back import load_gathered, module_keys, optimizer_keys, private_again
 from .fsdp_blocks import autocast_dtype, choose_blocks
 from .fsdp_rank import FsdpRank
 from .process import ProcessStrategy
-from .trained import Loaded, load_trained, tensor_targets
+from .trained import Loaded, cloned, load_trained, tensor_targets
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class Fsdp(ProcessStrategy):
         # schedulers and loaders' generators first: rank 0 wrote the weights already, nothing else yet
         load_trained(read.ns, returned.trained, {}, {}, read.survey.stateful)
         stayed = load_gathered(done.gathered, buffer, modules, optimizers, ranks, self.shipment,
-                               returned.trained.settings)
+                               cloned(returned.trained.settings))
         held.keep(ranks, stayed, [*modules, *optimizers], read.ns)
         return Loaded(list(optimizers), stayed)
 

@@ -179,7 +179,8 @@ class _Apply:
         for path, value in self.changes.fills.items():
             if not _fill(self.objects.get(("path", path)), value, masks[path]):
                 logger.debug("%s changed shape or dtype in place: set to rank 0's", text(path))
-                _set_at(self.ns, path, value)
+                # (a copy: what arrived is a view of a buffer the next cell reuses)
+                _set_at(self.ns, path, value.clone() if hasattr(value, "clone") else value)
             self.out.bound.append(owner_text(path))
 
     def write(self, blobs: list) -> None:
