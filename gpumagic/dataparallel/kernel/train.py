@@ -62,6 +62,7 @@ from ..protocol import (
 )
 from ..rank.task import TASK
 from ..ranks import local
+from ..strategies.base import Prepared
 from ..sync.apply import Applied, apply_changes
 from . import held
 from .notebook import Notebook
@@ -169,9 +170,9 @@ def run_on_ranks(strategy, notebook: Notebook, cell: str, plan: Plan, header: st
     if ranks is None:
         ranks, started = local.local_ranks(plan.devices, plan.backend, plan.timeout)
     clock.ranks = time.monotonic()
-    rank_strategy = read.strategy.before(read, ranks)
+    prepared = read.strategy.before(read, ranks)
     try:
-        ran = _ship_run_load(read, plan, ranks, rank_strategy, clock)
+        ran = _ship_run_load(read, plan, ranks, prepared, clock)
     except BaseException:
         read.strategy.failed(read, ranks)
         raise
@@ -201,16 +202,15 @@ def _order(read: ReadCell, plan: Plan, packed, rank_strategy, relays: Relays) ->
                      notebook=read.notebook.is_kernel)
 
 
-def _ship_run_load(read: ReadCell, plan: Plan, ranks, rank_strategy, clock: _Clock):
+def _ship_run_load(read: ReadCell, plan: Plan, ranks, prepared: Prepared, clock: _Clock):
     """Pack what the cell reads, run it on every rank, and load rank 0's answer into the notebook."""
     ns, survey = read.ns, read.survey
     relays = Relays()   # the notebook's loggers (a SummaryWriter) stay here; rank 0's calls come back to them
     values = {n: ns[n] for n in survey.used}
-    values[GRADS_KEY] = read.strategy.carried_grads(read)   # (each rank starts from them)
-    packing = read.strategy.packing(read)
+    values[GRADS_KEY] = prepared.grads   # (each rank starts from them)
     try:
-        packed, _ = pack_namespace(values, ns, targets=packing.targets, held=ranks.kept.tensors,
-                                   scratch=ranks.outgoing, share=packing.share, stand_ins=packing.stand_ins,
+        packed, _ = pack_namespace(values, ns, targets=prepared.targets, held=ranks.kept.tensors,
+                                   scratch=ranks.outgoing, share=prepared.share, stand_ins=prepared.stand_ins,
                                    stand_in_for=relays.stand_in_for)
     except Unshippable as exc:
         raise _unshippable(exc) from None
@@ -218,7 +218,7 @@ def _ship_run_load(read: ReadCell, plan: Plan, ranks, rank_strategy, clock: _Clo
     # nothing (an interrupt anywhere after this ships everything next time).
     ranks.kept.tensors = set()
     clock.packed = time.monotonic()
-    order = _order(read, plan, packed, rank_strategy, relays)
+    order = _order(read, plan, packed, prepared.rank, relays)
     dones, started_at = _run_on(ranks, order, packed.data(), read, relays)
     clock.ranks_done = time.monotonic()
     # Writing the trained state back takes about as long as copying the model once; an interrupt meanwhile
@@ -311,7 +311,7 @@ def _load(read: ReadCell, ranks, dones: list):
     except BaseException:
         ranks.kept.forget()
         held.lost("loading the trained state failed, so they dropped what they kept", ns)
-        read.strategy.load_failed(read, done)
+        read.strategy.failed(read, ranks, done)
         raise
     return applied, loaded
 

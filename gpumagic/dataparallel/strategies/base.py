@@ -2,13 +2,18 @@
 
 A strategy (:class:`Strategy`: DDP, FSDP, launch mode, DP) holds the options it owns, and says what it does
 
-* in the kernel, **before** the cell (:meth:`Strategy.before`): refuse what it cannot train, prepare what the
-  ranks get (fsdp moves the model into shared memory), and hand back its rank half;
+* in the kernel, **before** the cell (:meth:`Strategy.check_cell`, then :meth:`Strategy.before`): refuse what
+  it cannot train before anything starts, prepare what the ranks get (fsdp moves the model into shared
+  memory), and say how the notebook's values travel (:class:`Prepared`, with its rank half);
 * on each rank, **around** the cell (:class:`RankStrategy`): ``start`` (wrap the models in DDP, shard them,
   or leave them to the cell's framework; split the loaders), ``running`` (the guards the user's code runs
   under), ``finish`` (collect the trained state, keep what the next cell reuses) and ``send`` (rank 0's
   answer, and every rank's counts);
-* in the kernel, **after** it (:meth:`Strategy.after`): the trained state into the notebook's own objects.
+* in the kernel, **after** it (:meth:`Strategy.after`): the trained state into the notebook's own objects; or,
+  should the cell fail, :meth:`Strategy.failed`.
+
+Which options it owns, and how it refuses another's, is said once, as the plan is made (``OPTIONS``,
+``from_options``, ``refuse``, ``on_cluster``, ``place``).
 
 The cell itself (reading it, shipping it, running it on the ranks, the way back) is the same for all of them
 (:mod:`gpumagic.dataparallel.kernel.train`); DP, which runs in the kernel without ranks, runs the cell its own
@@ -24,13 +29,16 @@ from typing import Any, ClassVar
 
 from ..rank.send import packed_done
 
-__all__ = ["Strategy", "RankStrategy", "Packing"]
+__all__ = ["Strategy", "RankStrategy", "Prepared"]
 
 
 @dataclass
-class Packing:
-    """How the notebook's values travel under a strategy (:func:`gpumagic.procs.wire.pack`'s arguments)."""
+class Prepared:
+    """What a strategy prepared before a cell: its rank half, and how the notebook's values travel
+    (:func:`gpumagic.procs.wire.pack`'s arguments)."""
+    rank: RankStrategy
     targets: dict                   # id(tensor) -> "rank", "cpu" or "keep"
+    grads: dict                     # the notebook's gradients each rank starts from, {module: {parameter: grad}}
     share: Any = None               # tensor -> whether it travels by reference (shared memory)
     stand_ins: dict | None = None   # id(object) -> token of what the ranks kept instead
 
@@ -75,26 +83,18 @@ class Strategy:
     def check_cell(self, read) -> None:
         """``UsageError`` before anything starts for a cell this strategy cannot train."""
 
-    def packing(self, read) -> Packing:
-        raise NotImplementedError
-
-    def carried_grads(self, read) -> dict:
-        """The notebook's gradients each rank starts from (``{module: {parameter: grad}}``)."""
-        return {}
-
-    def before(self, read, ranks) -> RankStrategy:
-        """Prepare the cell on the kernel's side; the rank half that travels in the cell's order."""
+    def before(self, read, ranks) -> Prepared:
+        """Prepare the cell on the kernel's side, the ranks known: its rank half, and how values travel."""
         raise NotImplementedError
 
     def after(self, read, returned, done, buffer, ranks):
-        """Rank 0's trained state into the notebook's own objects (a :class:`~.ddp.Loaded`)."""
+        """Rank 0's trained state into the notebook's own objects (a :class:`~.trained.Loaded`)."""
         raise NotImplementedError
 
-    def failed(self, read, ranks) -> None:
-        """The cell failed: let go of what :meth:`before` prepared."""
-
-    def load_failed(self, read, done) -> None:
-        """Loading the cell's result into the notebook failed: say what the notebook holds now."""
+    def failed(self, read, ranks, done=None) -> None:
+        """The cell failed: let go of what :meth:`before` prepared (it may be said more than once);
+        ``done``: rank 0's answer, where loading it into the notebook is what failed (the note says what the
+        notebook holds then)."""
 
 
 class RankStrategy:

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ...errors import usage_error
-from .base import Packing
+from .base import Prepared
 from .ddp_grads import notebook_grads
 from .ddp_rank import DdpRank
 from .ddp_wrapper import GRAD_DTYPES
@@ -29,14 +29,6 @@ __all__ = ["Ddp", "COMPILE_MODES", "MAX_BUCKET_MB"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MAX_BUCKET_MB = 1 << 20         # MB: --bucket-mb above this overflows DDP's byte count
-
-
-def _refuse_meta_models(read) -> None:
-    meta = [n for n, m in read.survey.modules.items() if any(t.is_meta for t in [*m.parameters(), *m.buffers()])]
-    if meta:
-        raise usage_error(f"{', '.join(meta)} is on the meta device (it has no weights to copy to the ranks): "
-                          "--strategy fsdp initialises such a model on the ranks and trains it there",
-                          ["--strategy fsdp"])
 
 
 @dataclass
@@ -98,17 +90,11 @@ class Ddp(ProcessStrategy):
         launch.check_devices(list(devices), on_cluster)
         return launch
 
-    def check_cell(self, read) -> None:
-        _refuse_meta_models(read)
-
-    def packing(self, read) -> Packing:
-        return Packing(tensor_targets(read))
-
-    def carried_grads(self, read) -> dict:
-        return notebook_grads(read.survey.modules)
-
-    def before(self, read, ranks) -> DdpRank:
-        return DdpRank(self.static_graph, self.find_unused, self.bucket_mb, self.grad_dtype, self.compile)
+    def before(self, read, ranks) -> Prepared:
+        # the trained modules' tensors and gradients go to each rank's device; each rank starts from the
+        # notebook's gradients, as a plain cell adds to them
+        return Prepared(DdpRank(self.static_graph, self.find_unused, self.bucket_mb, self.grad_dtype, self.compile),
+                        tensor_targets(read), notebook_grads(read.survey.modules))
 
     def after(self, read, returned, done, buffer, ranks) -> Loaded:
         return load_into_notebook(read, returned)

@@ -34,7 +34,7 @@ from ...display import note
 from ...errors import usage_error
 from ..kernel import held
 from ..ranks.kept import Sharded
-from .base import Packing
+from .base import Prepared
 from .ddp_grads import not_carried
 from .fsdp_back import load_gathered, module_keys, optimizer_keys, private_again, share, unchanged
 from .fsdp_blocks import autocast_dtype, choose_blocks
@@ -163,15 +163,15 @@ class Fsdp(ProcessStrategy):
     def check_cell(self, read) -> None:
         read.blocks = choose_all_blocks(read.survey.modules, self.wrap)
 
-    def packing(self, read) -> Packing:
+    def before(self, read, ranks) -> Prepared:
+        """Decide what the ranks kept, and put the rest in shared memory: the models travel by reference (their
+        tensors to the CPU, each rank shards them from there), what the ranks kept by its token."""
+        order = self._shipped(read, ranks)
         assert self.shipment is not None
-        return Packing(tensor_targets(read, "cpu"), self.shipment.share, self.shipment.stand_ins)
+        grads = not_carried(read.survey.modules, "--strategy fsdp shards them")
+        return Prepared(order, tensor_targets(read, "cpu"), grads, self.shipment.share, self.shipment.stand_ins)
 
-    def carried_grads(self, read) -> dict:
-        return not_carried(read.survey.modules, "--strategy fsdp shards them")
-
-    def before(self, read, ranks) -> FsdpRank:
-        """Decide what the ranks kept, and put the rest in shared memory."""
+    def _shipped(self, read, ranks) -> FsdpRank:
         modules, optimizers = read.survey.modules, read.survey.optimizers
         sharded = ranks.kept.sharded = ranks.kept.sharded or Sharded()
         blocks = dict(read.blocks)
@@ -248,17 +248,15 @@ class Fsdp(ProcessStrategy):
         held.keep(ranks, stayed, [*modules, *optimizers], read.ns)
         return Loaded(list(optimizers), stayed)
 
-    def load_failed(self, read, done) -> None:
+    def failed(self, read, ranks, done=None) -> None:
+        # however the cell ends, the optimizer's state is the notebook's own again
+        if self.shipment is not None:
+            private_again(read.survey.optimizers, self.shipment.moved)
         # rank 0 wrote into the notebook's tensors before the kernel began: those stay written
-        written = sorted({t.ref[1] for t in (done.gathered.tensors if done.gathered else []) if t.offset < 0})
+        written = sorted({t.ref[1] for t in (done.gathered.tensors if done and done.gathered else []) if t.offset < 0})
         if written:
             note(f"%%dataparallel --strategy fsdp: loading the cell's result failed after rank 0 had written the "
                  f"trained tensors of {', '.join(written)} into the notebook's in place: those hold their state "
                  "after the cell, the rest (other optimizer state, schedulers, values) as before it. Run the "
                  "training again, or load a checkpoint")
-
-    def failed(self, read, ranks) -> None:
-        # however the cell ends, the optimizer's state is the notebook's own again
-        if self.shipment is not None:
-            private_again(read.survey.optimizers, self.shipment.moved)
 

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from ...errors import usage_error
-from .base import Packing
+from .base import Prepared
 from .ddp_grads import not_carried
 from .launch_rank import LaunchRank
 from .process import ProcessStrategy
@@ -54,15 +54,15 @@ class Launch(ProcessStrategy):
     def on_cluster(self) -> None:
         """Launch mode runs on a cluster's engines, as torchrun runs on several hosts."""
 
-    def packing(self, read) -> Packing:
-        return Packing(tensor_targets(read))
+    def check_cell(self, read) -> None:
+        """Nothing to refuse: the cell's framework decides what to do with its models (one on the meta device
+        too)."""
 
-    def carried_grads(self, read) -> dict:
-        return not_carried(read.survey.modules, "in launch mode the cell's framework owns them")
-
-    def before(self, read, ranks) -> LaunchRank:
+    def before(self, read, ranks) -> Prepared:
         address, port = ranks.launch_address()
-        return LaunchRank(address, port, f"gpumagic-{os.getpid()}-{ranks.pids[0]}", read.notebook.is_kernel)
+        rank = LaunchRank(address, port, f"gpumagic-{os.getpid()}-{ranks.pids[0]}", read.notebook.is_kernel)
+        return Prepared(rank, tensor_targets(read),
+                        not_carried(read.survey.modules, "in launch mode the cell's framework owns them"))
 
     def after(self, read, returned, done, buffer, ranks) -> Loaded:
         return load_into_notebook(read, returned)

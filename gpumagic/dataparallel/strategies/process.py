@@ -39,3 +39,11 @@ class ProcessStrategy(Strategy):
 
     def devices_for(self, placed: list[str]) -> list[str]:
         return placed
+
+    def check_cell(self, read) -> None:
+        """``UsageError`` for a model on the meta device, which only fsdp can train (it has no weights to copy)."""
+        meta = [n for n, m in read.survey.modules.items() if any(t.is_meta for t in [*m.parameters(), *m.buffers()])]
+        if meta:
+            raise usage_error(f"{', '.join(meta)} is on the meta device (it has no weights to copy to the ranks): "
+                              "--strategy fsdp initialises such a model on the ranks and trains it there",
+                              ["--strategy fsdp"])

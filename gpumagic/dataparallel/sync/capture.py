@@ -29,7 +29,7 @@ from ..protocol import Changes, Refill, RemoteRepr, Watch
 from .paths import MISSING, owner_text, text
 from .pickler import MadeModels, Room, pickled, unwrapped
 from .reach import COMPARED_ITEMS, fingerprint
-from .snapshot import Seen, Snapshot, items_of
+from .snapshot import Seen, Snapshot, items_of, last_item
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,10 @@ def _run(same, limit: int) -> int:
 
 
 class _Capture:
+    """One cell's capture on rank 0: what it compares, the room left, the models the cell made."""
+
     def __init__(self, snap: Snapshot, ns: dict, watch: Watch, tree, loop_targets: frozenset):
-        self.snap, self.ns, self.watch, self.loop_targets = snap, ns, watch, loop_targets
+        self.snap, self.ns, self.loop_targets = snap, ns, loop_targets
         self.changes = Changes()
         self.room = Room()
         # the classes the cell defined travel by name: the kernel defines them again (``stats = [Stat(...)]``)
@@ -105,9 +107,8 @@ class _Capture:
         return str(exc)
 
     def long(self, seen: Seen) -> None:
-        from .snapshot import _last
         size, last = seen.before
-        now = _last(seen.obj)
+        now = last_item(seen.obj)
         if len(seen.obj) != size or len(now) != len(last) or any(x is not y for x, y in zip(now, last)):
             self.note(f"{text(seen.path)} (a {type(seen.obj).__name__} of {size:,} items, longer than the "
                       f"{COMPARED_ITEMS:,} rank 0 compares, so the cell's changes to it stay in the ranks; change it "

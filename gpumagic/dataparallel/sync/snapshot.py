@@ -19,7 +19,7 @@ from .paths import MISSING, follow
 from .pickler import VALUES
 from .reach import COMPARED_ITEMS, DEPTH, KINDS, READ_WHOLE_BYTES, children, fingerprint, is_array, is_watched
 
-__all__ = ["Seen", "Snapshot", "take", "items_of", "path_of"]
+__all__ = ["Seen", "Snapshot", "take", "items_of", "last_item", "path_of"]
 
 
 @dataclass
@@ -51,7 +51,8 @@ def items_of(container) -> tuple:
     return None, list(container)
 
 
-def _last(container) -> tuple:
+def last_item(container) -> tuple:
+    """A list's last item, or a dict's last ``(key, value)``, as a tuple (empty for an empty one)."""
     if not container:
         return ()
     return next(reversed(container.items())) if isinstance(container, dict) else (container[-1],)
@@ -60,7 +61,7 @@ def _last(container) -> tuple:
 def _record(path: tuple, value, depth: int, via_attr: bool, filled: bool) -> Seen | None:
     if type(value) in KINDS:
         if len(value) > COMPARED_ITEMS:
-            return Seen(path, value, "long", (len(value), _last(value)))
+            return Seen(path, value, "long", (len(value), last_item(value)))
         return Seen(path, value, "items", items_of(value))
     if is_watched(value):
         return Seen(path, value, "attrs", dict(vars(value)), public=True)
