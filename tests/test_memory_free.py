@@ -155,7 +155,7 @@ def test_who_holds_names_a_module_cache_and_a_running_frame():
         assert who_holds(mod.cache.items["w"][0]) == "gpumagic_test_cache.cache.items.w[0]"
         ours = mod.cache.items["w"][0]
         known = {("cpu", t.untyped_storage().data_ptr()) for t in gc.get_objects()   # every other storage
-                 if isinstance(t, torch.Tensor) and t is not ours and t.device.type == "cpu"}
+                 if type(t) in (torch.Tensor, torch.nn.Parameter) and t is not ours and t.device.type == "cpu"}
         found = unnamed_tensors(torch, "cpu", known)
         assert [(u.holder, u.nbytes) for u in found] == [("gpumagic_test_cache.cache.items.w[0]", 40)]
     finally:
