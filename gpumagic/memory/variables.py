@@ -343,9 +343,7 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
     left out: letting these go would not free them. ``held`` is called only where one of them
     holds tensors at all."""
     sources = [(history, "the output history (Out[...])", "`%gpumem --free --history` lets them go."),
-               (last_error, "the last error's traceback (its frames' locals)",
-                "`%gpumem --free` lets them go; `%gpumem --rescue` moves them to the CPU instead, where "
-                "%debug still shows them.")]
+               (last_error, "the last error's traceback (its frames' locals)", "`%gpumem --free` lets them go.")]
     notes: list[str] = []
     held_keys: Container | None = None
     for source, what, how in sources:
@@ -367,6 +365,8 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
         kept = {d: b for d, b in kept.items() if b}
         if kept:
             held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+            if source is last_error and any(d != "cpu" for d in kept):
+                how = how[:-1] + "; `%gpumem --rescue` moves them to the CPU instead, where %debug still shows them."
             notes.append(f"{what} still holds tensors: {held_text} that no variable holds; {how}")
     return notes
 
