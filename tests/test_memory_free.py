@@ -25,6 +25,14 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def storage_key(t) -> tuple | None:
+    """``("cpu", data_ptr)`` of a CPU tensor's storage; None for one without (a fake tensor of a compile)."""
+    try:
+        return ("cpu", t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+    except RuntimeError:
+        return None
+
+
 def local_of(error, name: str):
     """The local ``name`` of the innermost frame of ``error``'s traceback that has one."""
     return next(f.f_locals[name] for f in reversed(last_error.error_frames([error])) if name in f.f_locals)
@@ -154,8 +162,8 @@ def test_who_holds_names_a_module_cache_and_a_running_frame():
         mod.cache.items = {"w": [torch.zeros(10)]}
         assert who_holds(mod.cache.items["w"][0]) == "gpumagic_test_cache.cache.items.w[0]"
         ours = mod.cache.items["w"][0]
-        known = {("cpu", t.untyped_storage().data_ptr()) for t in gc.get_objects()   # every other storage
-                 if type(t) in (torch.Tensor, torch.nn.Parameter) and t is not ours and t.device.type == "cpu"}
+        known = {key for t in gc.get_objects() if isinstance(t, torch.Tensor) and t is not ours
+                 for key in [storage_key(t)] if key is not None}   # every other storage
         found = unnamed_tensors(torch, "cpu", known)
         assert [(u.holder, u.nbytes) for u in found] == [("gpumagic_test_cache.cache.items.w[0]", 40)]
     finally:
