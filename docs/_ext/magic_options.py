@@ -68,8 +68,18 @@ def _shown(action, formatter) -> str:
 
 def magic_options(name: str) -> list[Group]:
     """The magic's arguments by argument group, as its parser holds them (``-h`` left out)."""
-    _cls, func, _kinds = magic_function(name)
-    parser = func.parser
+    return parser_options(magic_function(name)[1].parser)
+
+
+def flags(name: str) -> set[str]:
+    """Every flag the magic takes (``--nprocs``, ``-n``, ...)."""
+    return {n for group in magic_options(name) for option in group.options for n in option.names
+            if n.startswith("-")}
+
+
+def parser_options(parser) -> list[Group]:
+    """A ``magic_arguments`` parser's arguments: argparse's own groups as one, titled "options", then
+    each argument group (``@argument_group``) with its title and description."""
     formatter = parser._get_formatter()
     groups: list[Group] = []
     merged = Group("options", "", [])
