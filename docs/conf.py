@@ -27,6 +27,7 @@ extensions = [
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "examples/*.executed.ipynb"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4
+smartquotes = False   # "--flag" stays two hyphens, 'cpu' straight quotes, as typed in a notebook
 
 # The how-to pages run; the example notebooks keep the outputs they were saved with.
 nb_execution_mode = "cache"

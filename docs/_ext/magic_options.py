@@ -99,9 +99,10 @@ def parser_options(parser) -> list[Group]:
 def usage(name: str) -> str:
     """The usage line ``%magic?`` starts with, written with ``%%`` for a cell magic."""
     _cls, func, kinds = magic_function(name)
-    text = func.parser.format_usage().replace("::", "", 1).strip()
-    text = re.sub(r"\s*\n\s*", " ", text)
-    return escapes(kinds) + text[1:] if text.startswith("%") else text
+    lines = [line.strip() for line in func.parser.format_usage().replace("::", "", 1).strip().splitlines()]
+    first = escapes(kinds) + lines[0].lstrip("%")   # argparse writes %name for every magic
+    indent = " " * (len(first.split()[0]) + 1)      # the other lines aligned under the first option
+    return "\n".join([first, *(indent + line for line in lines[1:])])
 
 
 def docstring(name: str) -> str:

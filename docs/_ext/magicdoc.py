@@ -34,11 +34,11 @@ from sphinx.util.docutils import SphinxDirective
 
 
 def _inline(text: str) -> list[nodes.Node]:
-    """Help text with its `quoted` parts as code."""
+    """Help text with its `quoted` parts and the options it names (``--nprocs``) as code."""
     parts: list[nodes.Node] = []
-    for i, piece in enumerate(re.split(r"`([^`]+)`", text)):
+    for i, piece in enumerate(re.split(r"`([^`]+)`|(?<![\w-])(--?[A-Za-z][\w-]*)", text)):
         if piece:
-            parts.append(nodes.literal(piece, piece) if i % 2 else nodes.Text(piece))
+            parts.append(nodes.literal(piece, piece) if i % 3 else nodes.Text(piece))
     return parts
 
 
@@ -76,7 +76,7 @@ class MagicDirective(SphinxDirective):
             raise self.error(str(exc)) from None
         self.env.note_dependency(inspect.getsourcefile(magic_function(name)[0]) or "")
         text = usage(name)
-        out: list[nodes.Node] = [nodes.literal_block(text, text, classes=["magic-usage"])]
+        out: list[nodes.Node] = [nodes.literal_block(text, text, language="text", classes=["magic-usage"])]
         for group in groups:
             if group.title != "options":
                 out.append(nodes.rubric(text=group.title))
