@@ -8,7 +8,8 @@
 #
 # The how-to pages' {code-cell} blocks run at build time on the CPU, one fresh
 # kernel per page (about a minute in all on two cores); their outputs are kept
-# in docs/_build/.jupyter_cache, so a page runs again only when its code changes.
+# in docs/_build/.jupyter_cache, so a page runs again only when its code changes
+# (--clean runs every page again, as after a change to gpumagic itself).
 # The example notebooks are shown with the outputs stored in them. Exits non-zero
 # on any warning, a failing cell included.
 set -euo pipefail
