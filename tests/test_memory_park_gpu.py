@@ -154,7 +154,8 @@ def test_a_graph_in_flight_is_named_and_a_cuda_graph_keeps_its_device(shell):
     assert run_cell(shell, capture)[0].success
     refused = shell.run_line_magic("gpumem", "--park --json")
     print(refused)
-    assert refused["refused"]["cuda:0"].startswith("CUDA graphs keep ") and "(held by g)" in refused["refused"]["cuda:0"]
+    why = refused["refused"]["cuda:0"]
+    assert why.startswith("CUDA graphs keep ") and "(held by g)" in why
     assert refused["moved"] == {} and ns["model"].weight.device.type == "cuda"
     assert run_cell(shell, "static_in.copy_(torch.ones(8, 1024, device='cuda'))\ng.replay()\n"
                            "same = torch.allclose(static_out, model(static_in))")[0].success
