@@ -3,9 +3,10 @@
 # scripts/test.sh run in. Safe to run again: each step does only what is missing
 # and prints one line saying what it did or reused.
 #
-#     bash scripts/setup.sh [--lint] [--browser] [--fresh]
+#     bash scripts/setup.sh [--lint] [--docs] [--browser] [--fresh]
 #
 #   --lint     also the lint extra (ruff, mypy)
+#   --docs     also the docs extra (Sphinx, myst-nb, furo: scripts/docs.sh)
 #   --browser  also what the browser test needs (.ci/browser-deps.sh: Debian's
 #              chromium, jupyterlab, playwright); where that cannot be installed
 #              (no apt-get, no root or sudo) a line says so and the browser test
@@ -23,19 +24,20 @@
 #   2. torch: kept when the environment imports one; else, where `nvidia-smi -L`
 #      lists a GPU, `pip install torch` (PyPI's CUDA build, several GB); else the
 #      CPU build of torch 2.13.0 (see install_cpu_torch)
-#   3. gpumagic itself, editable, with its test extra (and lint): skipped while
+#   3. gpumagic itself, editable, with its test extra (and lint, docs): skipped while
 #      pyproject.toml and the checkout are those of the last install
 #   4. with --browser: .ci/browser-deps.sh, skipped when all it installs is there
 set -euo pipefail
 
-lint=0 browser=0 fresh=0
+lint=0 docs=0 browser=0 fresh=0
 for arg in "$@"; do
     case "$arg" in
         --lint) lint=1 ;;
+        --docs) docs=1 ;;
         --browser) browser=1 ;;
         --fresh) fresh=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "setup: unknown option '$arg' (usage: scripts/setup.sh [--lint] [--browser] [--fresh])" >&2; exit 2 ;;
+        *) echo "setup: unknown option '$arg' (usage: scripts/setup.sh [--lint] [--docs] [--browser] [--fresh])" >&2; exit 2 ;;
     esac
 done
 
@@ -143,11 +145,12 @@ else
 fi
 [[ -n "$have" ]] || say "torch: installed $(torch_version)"
 
-# --- 3. gpumagic, editable, with the test (and lint) extra ------------------------
+# --- 3. gpumagic, editable, with the test (and lint, docs) extras ------------------
 stamp="$venv/.gpumagic-setup"
 sum="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 extras=(test)
 [[ $lint -eq 1 ]] && extras+=(lint)
+[[ $docs -eq 1 ]] && extras+=(docs)
 missing=()
 for extra in "${extras[@]}"; do
     grep -qxF "$extra $sum $repo" "$stamp" 2>/dev/null || missing+=("$extra")

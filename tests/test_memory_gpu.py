@@ -55,7 +55,8 @@ del frames, acts, tb
 
 FREE_CHECK = """
 held = %gpumem --vars --json
-print(json.dumps({'allocated': torch.cuda.memory_allocated(), 'variables': held['totals'].get('cuda:0', 0)}))
+print(json.dumps({'allocated': torch.cuda.memory_allocated(), 'reserved': torch.cuda.memory_reserved(),
+                  'variables': held['totals'].get('cuda:0', 0)}))
 """
 
 
@@ -93,6 +94,7 @@ def test_free_floor(rescued):
     check = json.loads(stream_text(rescued.cells[8]))
     print(check)
     assert abs(check["allocated"] - check["variables"]) <= 2 * MIB, check
+    assert check["reserved"] - check["allocated"] <= 2 * MIB, check   # the cache released, as the report said
 
 
 def test_a_ranks_report_on_the_gpu(shell):

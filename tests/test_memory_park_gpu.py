@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from tests.conftest import run_cell
 from tests.notebook_helpers import run_notebook, stream_text
 
 pytestmark = pytest.mark.gpu
@@ -130,3 +131,32 @@ def test_unpark_brings_back_the_same_model_bitwise(parked):
     print(back)
     assert back["equal"] and back["same_bits"], back
     assert back["devices"] == ["cuda:0"] and back["tied"] and back["same"]
+
+
+def test_a_graph_in_flight_is_named_and_a_cuda_graph_keeps_its_device(shell):
+    assert run_cell(shell, "import torch\nmodel = torch.nn.Linear(1024, 1024).cuda()\n"
+                           "x = torch.randn(256, 1024, device='cuda')\n"
+                           "loss = model(x).relu().sum()        # no backward yet: its graph is in flight")[0].success
+    parked = shell.run_line_magic("gpumem", "--park --json")
+    print(parked)
+    ns = shell.user_ns
+    assert parked["graphs"] == ["loss"] and ns["model"].weight.device.type == "cpu"
+    assert any(s["why"].startswith("saved for backward by an autograd graph in flight") for s in parked["stayed"])
+    back = shell.run_line_magic("gpumem", "--unpark --json")
+    assert sum(back["moved"].values()) == sum(parked["moved"].values())
+    assert run_cell(shell, "loss.backward()\ngrad_device = str(model.weight.grad.device)")[0].success
+    assert ns["grad_device"] == "cuda:0"
+    capture = ("g = torch.cuda.CUDAGraph()\nstatic_in = torch.randn(8, 1024, device='cuda')\n"
+               "side = torch.cuda.Stream()\nside.wait_stream(torch.cuda.current_stream())\n"
+               "with torch.cuda.stream(side):\n    model(static_in)\n"
+               "torch.cuda.current_stream().wait_stream(side)\n"
+               "with torch.cuda.graph(g):\n    static_out = model(static_in)")
+    assert run_cell(shell, capture)[0].success
+    refused = shell.run_line_magic("gpumem", "--park --json")
+    print(refused)
+    why = refused["refused"]["cuda:0"]
+    assert why.startswith("CUDA graphs keep ") and "(held by g)" in why
+    assert refused["moved"] == {} and ns["model"].weight.device.type == "cuda"
+    assert run_cell(shell, "static_in.copy_(torch.ones(8, 1024, device='cuda'))\ng.replay()\n"
+                           "same = torch.allclose(static_out, model(static_in))")[0].success
+    assert ns["same"]

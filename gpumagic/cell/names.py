@@ -298,75 +298,109 @@ def _store_names(node) -> set:
 def _block(stmts, bound: set, reads: dict) -> None:
     """Walk statements in execution order; ``bound`` grows with what is surely bound."""
     for st in stmts:
-        if isinstance(st, ast.Assign):
-            _expr_reads(st.value, bound, reads)
-            for t in st.targets:
-                _expr_reads(t, bound, reads)          # subscripts/attributes read their base
-                bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(st, ast.AnnAssign):
-            _expr_reads(st.value, bound, reads)
-            if st.value is not None and isinstance(st.target, ast.Name):
-                bound.add(st.target.id)
-            elif not isinstance(st.target, ast.Name):
-                _expr_reads(st.target, bound, reads)
-        elif isinstance(st, ast.AugAssign):
-            _expr_reads(st.value, bound, reads)
-            if isinstance(st.target, ast.Name):
-                if st.target.id not in bound:
-                    reads.setdefault(st.target.id, None)
-            else:
-                _expr_reads(st.target, bound, reads)
-        elif isinstance(st, (ast.For, ast.AsyncFor)):
-            _expr_reads(st.iter, bound, reads)
-            _block(st.body, bound | _store_names(st.target), reads)
-            _block(st.orelse, set(bound), reads)
-        elif isinstance(st, ast.While):
-            _expr_reads(st.test, bound, reads)
-            _block(st.body, set(bound), reads)
-            _block(st.orelse, set(bound), reads)
-        elif isinstance(st, ast.If):
-            _expr_reads(st.test, bound, reads)
-            _block(st.body, set(bound), reads)
-            _block(st.orelse, set(bound), reads)
-        elif isinstance(st, (ast.With, ast.AsyncWith)):
-            for item in st.items:
-                _expr_reads(item.context_expr, bound, reads)
-                if item.optional_vars is not None:
-                    bound |= _store_names(item.optional_vars)
-            _block(st.body, bound, reads)               # a with-body always starts
-        elif isinstance(st, ast.Try) or type(st).__name__ == "TryStar":
-            _block(st.body, set(bound), reads)
-            for h in st.handlers:
-                _expr_reads(h.type, bound, reads)
-                _block(h.body, bound | ({h.name} if h.name else set()), reads)
-            _block(st.orelse, set(bound), reads)
-            _block(st.finalbody, set(bound), reads)
-        elif isinstance(st, (ast.Import, ast.ImportFrom)):
-            bound.update(local for local, _ in import_bindings(st))
-        elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            # Reads inside may happen at any later call: count them all (minus the function's own names).
-            own = {a.arg for a in ast.walk(st) if isinstance(a, ast.arg)} | _store_names(st)
-            for node in ast.walk(st):
-                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
-                        and node.id not in bound and node.id not in own:
-                    reads.setdefault(node.id, None)
-            bound.add(st.name)
-        elif isinstance(st, ast.Delete):
-            for t in st.targets:
-                _expr_reads(t, bound, reads)            # ``del d[k]`` reads d
-                for n in ast.walk(t):                   # ``del tmp`` needs the notebook's tmp
-                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Del) and n.id not in bound:
-                        reads.setdefault(n.id, None)
-        elif isinstance(st, (ast.Global, ast.Nonlocal)):
-            continue
-        elif type(st).__name__ == "Match":
-            _expr_reads(st.subject, bound, reads)
-            for case in st.cases:
-                for node in ast.walk(case):
-                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
-                        reads.setdefault(node.id, None)
-        else:
-            _expr_reads(st, bound, reads)
+        _STATEMENTS.get(type(st).__name__, _expr_reads)(st, bound, reads)
+
+
+def _assign(st, bound: set, reads: dict) -> None:
+    _expr_reads(st.value, bound, reads)
+    for t in st.targets:
+        _expr_reads(t, bound, reads)          # subscripts/attributes read their base
+        bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _ann_assign(st, bound: set, reads: dict) -> None:
+    _expr_reads(st.value, bound, reads)
+    if st.value is not None and isinstance(st.target, ast.Name):
+        bound.add(st.target.id)
+    elif not isinstance(st.target, ast.Name):
+        _expr_reads(st.target, bound, reads)
+
+
+def _aug_assign(st, bound: set, reads: dict) -> None:
+    _expr_reads(st.value, bound, reads)
+    if not isinstance(st.target, ast.Name):
+        _expr_reads(st.target, bound, reads)
+    elif st.target.id not in bound:
+        reads.setdefault(st.target.id, None)
+
+
+def _loop(st, bound: set, reads: dict) -> None:
+    """``for`` and ``while``: the body may run any number of times, the else-part once or not."""
+    if isinstance(st, ast.While):
+        _expr_reads(st.test, bound, reads)
+        _block(st.body, set(bound), reads)
+    else:
+        _expr_reads(st.iter, bound, reads)
+        _block(st.body, bound | _store_names(st.target), reads)
+    _block(st.orelse, set(bound), reads)
+
+
+def _if(st, bound: set, reads: dict) -> None:
+    _expr_reads(st.test, bound, reads)
+    _block(st.body, set(bound), reads)
+    _block(st.orelse, set(bound), reads)
+
+
+def _with(st, bound: set, reads: dict) -> None:
+    for item in st.items:
+        _expr_reads(item.context_expr, bound, reads)
+        if item.optional_vars is not None:
+            bound |= _store_names(item.optional_vars)
+    _block(st.body, bound, reads)               # a with-body always starts
+
+
+def _try(st, bound: set, reads: dict) -> None:
+    _block(st.body, set(bound), reads)
+    for h in st.handlers:
+        _expr_reads(h.type, bound, reads)
+        _block(h.body, bound | ({h.name} if h.name else set()), reads)
+    _block(st.orelse, set(bound), reads)
+    _block(st.finalbody, set(bound), reads)
+
+
+def _import(st, bound: set, reads: dict) -> None:
+    bound.update(local for local, _ in import_bindings(st))
+
+
+def _definition(st, bound: set, reads: dict) -> None:
+    """Reads inside may happen at any later call: count them all (minus the function's own names)."""
+    own = {a.arg for a in ast.walk(st) if isinstance(a, ast.arg)} | _store_names(st)
+    for node in ast.walk(st):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                and node.id not in bound and node.id not in own:
+            reads.setdefault(node.id, None)
+    bound.add(st.name)
+
+
+def _delete(st, bound: set, reads: dict) -> None:
+    for t in st.targets:
+        _expr_reads(t, bound, reads)            # ``del d[k]`` reads d
+        for n in ast.walk(t):                   # ``del tmp`` needs the notebook's tmp
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Del) and n.id not in bound:
+                reads.setdefault(n.id, None)
+
+
+def _match(st, bound: set, reads: dict) -> None:
+    _expr_reads(st.subject, bound, reads)
+    for case in st.cases:
+        for node in ast.walk(case):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                reads.setdefault(node.id, None)
+
+
+def _declaration(st, bound: set, reads: dict) -> None:
+    """``global`` and ``nonlocal`` read nothing."""
+
+
+# Statement kinds by class name (``TryStar`` and ``Match`` exist only on newer Pythons); any other
+# statement (an expression, a return, an assert) reads what its expressions read.
+_STATEMENTS = {
+    "Assign": _assign, "AnnAssign": _ann_assign, "AugAssign": _aug_assign,
+    "For": _loop, "AsyncFor": _loop, "While": _loop, "If": _if, "With": _with, "AsyncWith": _with,
+    "Try": _try, "TryStar": _try, "Import": _import, "ImportFrom": _import,
+    "FunctionDef": _definition, "AsyncFunctionDef": _definition, "ClassDef": _definition,
+    "Delete": _delete, "Global": _declaration, "Nonlocal": _declaration, "Match": _match,
+}
 
 
 def attributes_assigned(tree: ast.AST) -> dict[str, list[str]]:

@@ -2,7 +2,7 @@
 
 ``from gpumagic import devices`` gives the discovery API (:mod:`.discovery`)
 and the per-device facts (:mod:`.facts`); the other modules (:mod:`.memory`,
-:mod:`.variables`, :mod:`.nvml`, :mod:`.pycuda_query`) are imported by name
+:mod:`.nvml`, :mod:`.pycuda_query`, :mod:`.gpu_processes`) are imported by name
 where they are needed.
 
 In a notebook::

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from dataclasses import dataclass, field
 
 from ..devices import discovery as devices
@@ -75,8 +76,11 @@ def measure(torch, indices) -> dict[str, int | None]:
 def release_caches(torch) -> int:
     """``gc.collect()``, then what torch keeps for reuse on GPUs this kernel set up: the caching
     allocator's free blocks, cuBLAS workspaces and cuFFT plans (both count as allocated), and
-    tensors shared with processes that are gone. Returns what the collector found unreachable."""
+    tensors shared with processes that are gone; and on Linux the C allocator's free memory, which
+    it keeps for reuse rather than give back (``malloc_trim``). Returns what the collector found
+    unreachable."""
     collected = gc.collect()
+    _trim_c_heap()
     if torch is None or not devices.torch_cuda_initialized():
         return collected
     torch.cuda.synchronize()
@@ -91,6 +95,18 @@ def release_caches(torch) -> int:
     torch.cuda.empty_cache()
     torch.cuda.ipc_collect()
     return collected
+
+
+def _trim_c_heap() -> None:
+    """glibc keeps freed blocks under 32 MiB (a tensor of a few MiB, an activation) in its heap: the
+    kernel's resident memory stays up until ``malloc_trim`` gives the free pages back."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc (musl): nothing kept that way
+        logger.debug("no malloc_trim here", exc_info=True)
 
 
 def release_last_error(shell, user_ns: dict, hidden=(), holders=()) -> ErrorRelease | None:

@@ -133,7 +133,7 @@ def park(shell, user_ns: dict, hidden=(), holders=(), device: str | None = None)
     devices = [device] if device is not None else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     report.before = _allocated(torch, devices)
     for d in devices:
-        why = _cuda_graph_refusal(torch, d)
+        why = _cuda_graph_refusal(torch, d, user_ns)
         if why is not None:
             report.refused[d] = why
     movable = set(devices) - set(report.refused)
@@ -195,9 +195,10 @@ def unpark(shell, user_ns: dict, hidden=(), holders=()) -> ParkReport:
     return report
 
 
-def _cuda_graph_refusal(torch, device: str) -> str | None:
+def _cuda_graph_refusal(torch, device: str, user_ns: dict) -> str | None:
     """Why ``device`` must not be parked: a CUDA graph is captured there now, or one is kept (its
-    private memory pool is alive) and would read its tensors at their old addresses."""
+    private memory pool is alive) and would read its tensors at their old addresses. The graphs are
+    named by the notebook variables that hold them, else by what holds them."""
     index = int(device.split(":")[1])
     with torch.cuda.device(index):
         if torch.cuda.is_current_stream_capturing():
@@ -207,7 +208,10 @@ def _cuda_graph_refusal(torch, device: str) -> str | None:
     if not pools:
         return None
     graph_type = getattr(torch.cuda, "CUDAGraph", None)
-    holders = [who_holds(o) for o in gc.get_objects() if graph_type is not None and isinstance(o, graph_type)]
+    holders = sorted(name for name, value in list(user_ns.items())
+                     if graph_type is not None and isinstance(value, graph_type))
+    if not holders:
+        holders = [who_holds(o) for o in gc.get_objects() if graph_type is not None and isinstance(o, graph_type)]
     named = f" (held by {', '.join(sorted(set(holders))[:3])})" if holders else \
         " (a model compiled with mode='reduce-overhead'; torch._dynamo.reset() lets go of its graphs)"
     return (f"CUDA graphs keep {fmt_bytes(pools)} there{named}, and a graph reads its tensors at fixed "

@@ -278,57 +278,63 @@ class Collector:
         if issubclass(cls, torch.optim.Optimizer):
             self._optimizer(obj, depth, part)
             return
-        items: Iterable
-        if issubclass(cls, dict):
-            items = dict.values(obj)  # the stored values, not what an overridden values() computes
-        elif issubclass(cls, _SEQUENCES):
-            # the base type's iterator: a subclass's __iter__ is notebook code. A deque (a replay
-            # buffer, the last losses) is copied first: iterating one that grows raises.
-            base = next(b for b in _SEQUENCES if issubclass(cls, b))
-            items = list(deque.__iter__(obj)) if base is deque else base.__iter__(obj)
-        elif id(cls) in _CALLABLES:
-            items = _callable_parts(obj, cls)
-        elif issubclass(cls, functools.partial):
-            items = [*_partial_parts(obj), *self._attributes(obj, cls)]
-        elif issubclass(cls, types.GeneratorType):
-            # A started generator keeps its locals (a batch, a model) alive; never iterate it.
-            frame = obj.gi_frame
-            items = list(frame.f_locals.values()) if frame is not None else ()
-        elif issubclass(cls, BaseException):
-            # A kept error keeps its traceback's frames, and their locals (a batch, activations), alive.
-            items = [*(_BASE_ERROR[k].__get__(obj) for k in ("__traceback__", "__cause__", "__context__")),
-                     *_BASE_ERROR["args"].__get__(obj), *self._attributes(obj, cls)]
-        elif cls is types.TracebackType:
-            # every frame of the chain one level down: a deep traceback is one list, not a nesting
-            items = []
-            while obj is not None and len(items) <= self.max_items:
-                items.append(obj.tb_frame)
-                obj = obj.tb_next
-        elif cls is types.FrameType:
-            # its locals, not f_back: the frames that called it are alive anyway, or in this traceback.
-            # A module-level frame (a cell's own) has its module's globals, the notebook's namespace,
-            # as locals: those live on without the frame and are the variables' to count.
-            locals_ = obj.f_locals
-            items = () if locals_ is obj.f_globals else list(locals_.values())
-        elif self.graph.is_node(cls):
+        if self.graph.is_node(cls):
             # A graph node kept itself (`node = loss.grad_fn`, a custom Function's ctx): it is the graph.
             self._roots.append(obj)
             return
-        elif issubclass(cls, type):
-            # A notebook's class keeps its class attributes (a cache shared by every instance);
-            # a library's classes hold no notebook memory and would only slow the scan.
-            attrs = _CLASS_DICT.__get__(obj)
-            items = list(attrs.values()) if attrs.get("__module__") == "__main__" else ()
-        elif not issubclass(cls, _NOT_HOLDERS):
-            # an object's attributes (a dataset, a loader, a Trainer, an instance of a notebook class)
-            items = self._attributes(obj, cls)
-        else:
-            return
-        for i, item in enumerate(items):
+        for i, item in enumerate(self._contents(obj, cls)):
             if i >= self.max_items:
                 self.truncated = True
                 break
             self._reach(item, depth + 1, part)
+
+    def _contents(self, obj, cls) -> Iterable:
+        """What ``obj`` holds, read through its base type's own machinery (never notebook code)."""
+        if issubclass(cls, dict):
+            return dict.values(obj)  # the stored values, not what an overridden values() computes
+        if issubclass(cls, _SEQUENCES):
+            # the base type's iterator: a subclass's __iter__ is notebook code. A deque (a replay
+            # buffer, the last losses) is copied first: iterating one that grows raises.
+            base = next(b for b in _SEQUENCES if issubclass(cls, b))
+            return list(deque.__iter__(obj)) if base is deque else base.__iter__(obj)
+        if id(cls) in _CALLABLES:
+            return _callable_parts(obj, cls)
+        if issubclass(cls, functools.partial):
+            return [*_partial_parts(obj), *self._attributes(obj, cls)]
+        if issubclass(cls, types.GeneratorType):
+            # A started generator keeps its locals (a batch, a model) alive; never iterate it.
+            frame = obj.gi_frame
+            return list(frame.f_locals.values()) if frame is not None else ()
+        if issubclass(cls, BaseException):
+            # A kept error keeps its traceback's frames, and their locals (a batch, activations), alive.
+            return [*(_BASE_ERROR[k].__get__(obj) for k in ("__traceback__", "__cause__", "__context__")),
+                    *_BASE_ERROR["args"].__get__(obj), *self._attributes(obj, cls)]
+        if cls is types.TracebackType or cls is types.FrameType:
+            return self._trace_contents(obj, cls)
+        if issubclass(cls, type):
+            # A notebook's class keeps its class attributes (a cache shared by every instance);
+            # a library's classes hold no notebook memory and would only slow the scan.
+            attrs = _CLASS_DICT.__get__(obj)
+            return list(attrs.values()) if attrs.get("__module__") == "__main__" else ()
+        if not issubclass(cls, _NOT_HOLDERS):
+            # an object's attributes (a dataset, a loader, a Trainer, an instance of a notebook class)
+            return self._attributes(obj, cls)
+        return ()
+
+    def _trace_contents(self, obj, cls) -> list:
+        """A traceback's frames, or a frame's locals."""
+        if cls is types.TracebackType:
+            # every frame of the chain one level down: a deep traceback is one list, not a nesting
+            frames: list = []
+            while obj is not None and len(frames) <= self.max_items:
+                frames.append(obj.tb_frame)
+                obj = obj.tb_next
+            return frames
+        # its locals, not f_back: the frames that called it are alive anyway, or in this traceback.
+        # A module-level frame (a cell's own) has its module's globals, the notebook's namespace,
+        # as locals: those live on without the frame and are the variables' to count.
+        locals_ = obj.f_locals
+        return [] if locals_ is obj.f_globals else list(locals_.values())
 
     def _module(self, module, depth: int, part: str = "tensors") -> None:
         # The registries themselves, read from each module's __dict__: parameters(), buffers() and

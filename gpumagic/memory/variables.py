@@ -249,6 +249,26 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
              max_nodes: int | None = None):
     """Each listed variable's collector, which variables reach each storage, and the names
     whose walk failed (``name (ErrorType)``)."""
+    per_var, unread = _walk_variables(torch, user_ns, hidden, max_depth, max_items, skip, max_nodes)
+    owners: dict[tuple, set[str]] = {}
+    for name, (_, collector) in per_var.items():
+        for key in collector.storages:
+            owners.setdefault(key, set()).add(name)
+    orphans = _orphans(per_var, owners)
+    for name, (_, collector) in per_var.items():
+        # in this order: a parameter an optimizer holds and a graph reaches is "params", not "autograd"
+        for held in (collector.via_optimizer, collector.via_graph, collector.via_optimizer_graph):
+            for key, record in held.items():
+                if name in orphans.get(key, ()):
+                    collector.storages.setdefault(key, record)
+    for key, names in orphans.items():
+        owners[key] = names
+    return per_var, owners, unread
+
+
+def _walk_variables(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip: frozenset[int],
+                    max_nodes: int | None) -> tuple[dict[str, tuple[str, Collector]], list[str]]:
+    """``{name: (type name, collector)}`` for each variable that reaches a storage, and the unread."""
     hidden = set(hidden)
     per_var: dict[str, tuple[str, Collector]] = {}
     unread: list[str] = []
@@ -269,16 +289,19 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
             walked[id(value)] = collector
         if collector.storages or collector.via_optimizer or collector.via_graph or collector.via_optimizer_graph:
             per_var[name] = (type(value).__name__, collector)
-    owners: dict[tuple, set[str]] = {}
-    for name, (_, collector) in per_var.items():
-        for key in collector.storages:
-            owners.setdefault(key, set()).add(name)
-    # An optimizer's parameters count for it only where no variable holds them (`del model`
-    # leaves them, and their gradients, alive through the optimizer alone). So does what an
-    # autograd graph keeps: a loss's activations are its own, the model's weights and the
-    # batch it saved are the model's and the batch's while those variables hold them.
-    # The graphs of an optimizer's gradients (create_graph=True) count for it only where no variable
-    # reaches them through a graph either: the model holding those gradients does.
+    return per_var, unread
+
+
+def _orphans(per_var: dict, owners: dict[tuple, set[str]]) -> dict[tuple, set[str]]:
+    """Storages no variable holds itself, and the variables that keep them through an optimizer or a graph.
+
+    An optimizer's parameters count for it only where no variable holds them (`del model` leaves
+    them, and their gradients, alive through the optimizer alone). So does what an autograd graph
+    keeps: a loss's activations are its own, the model's weights and the batch it saved are the
+    model's and the batch's while those variables hold them. The graphs of an optimizer's gradients
+    (create_graph=True) count for it only where no variable reaches them through a graph either: the
+    model holding those gradients does.
+    """
     orphans: dict[tuple, set[str]] = {}
     for name, (_, collector) in per_var.items():
         for key in (*collector.via_optimizer, *collector.via_graph):
@@ -289,15 +312,7 @@ def _collect(torch, user_ns: dict, hidden, max_depth: int, max_items: int, skip:
         for key in collector.via_optimizer_graph:
             if key not in owners and (key not in through_graphs or name in orphans[key]):
                 orphans.setdefault(key, set()).add(name)
-    for name, (_, collector) in per_var.items():
-        # in this order: a parameter an optimizer holds and a graph reaches is "params", not "autograd"
-        for held in (collector.via_optimizer, collector.via_graph, collector.via_optimizer_graph):
-            for key, record in held.items():
-                if name in orphans.get(key, ()):
-                    collector.storages.setdefault(key, record)
-    for key, names in orphans.items():
-        owners[key] = names
-    return per_var, owners, unread
+    return orphans
 
 
 def _totals(counted: dict[tuple, tuple[str, int]]) -> dict[str, int]:
@@ -328,9 +343,7 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
     left out: letting these go would not free them. ``held`` is called only where one of them
     holds tensors at all."""
     sources = [(history, "the output history (Out[...])", "`%gpumem --free --history` lets them go."),
-               (last_error, "the last error's traceback (its frames' locals)",
-                "`%gpumem --free` lets them go; `%gpumem --rescue` moves them to the CPU instead, where "
-                "%debug still shows them.")]
+               (last_error, "the last error's traceback (its frames' locals)", "`%gpumem --free` lets them go.")]
     notes: list[str] = []
     held_keys: Container | None = None
     for source, what, how in sources:
@@ -352,6 +365,8 @@ def _kept_notes(history: dict | None, last_error: BaseException | None, device: 
         kept = {d: b for d, b in kept.items() if b}
         if kept:
             held_text = ", ".join(f"{fmt_bytes(b)} on {d}" for d, b in sorted(kept.items()))
+            if source is last_error and any(d != "cpu" for d in kept):
+                how = how[:-1] + "; `%gpumem --rescue` moves them to the CPU instead, where %debug still shows them."
             notes.append(f"{what} still holds tensors: {held_text} that no variable holds; {how}")
     return notes
 

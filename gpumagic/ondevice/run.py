@@ -287,39 +287,19 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
     namespace = shell.user_ns
     to_move = plan_moves(namespace, options.move) if options.move else []
     rewriter = PlacementRewriter(namespace, helper_name(device)) if options.rewrite else None
-    try:
-        compiled = compile_cell(shell, cell, header=options.header,
-                                transformers=[rewriter] if rewriter is not None else [])
-    except SyntaxError as exc:
-        # The error carries the user's file and line; the compiler's frames say nothing more.
-        exc.__traceback__ = None
-        raise exc
-
+    compiled = _compile(shell, cell, options, rewriter)
     target = torch.device(device)
     if target.type == "cuda":
         _check_torch_cuda(torch, target)
     result = OnDeviceResult(device=device, rewrites=rewriter.rewrites if rewriter else 0)
-    # A meta tensor holds no values: moving there is for the cell only, and the originals come back.
-    dry_run = DryRunMoves(namespace, to_move) if to_move and target.type == "meta" else None
-    if to_move:
-        result.moved = apply_moves(namespace, to_move, device)
-        said = move_note(result.moved, device)
-        if dry_run is not None:
-            dry_run.moved()
-            said = f"{said} (for this cell: a dry run; they are put back after it)" if said else said
-        if note is not None and said:
-            note(said)
-
+    dry_run = _move_for_the_cell(namespace, to_move, device, target, result, note)
     if options.stream and target.type != "cuda" and note is not None:
         note(f"--stream: {device} runs the cell's work in program order, so there is no stream to order")
     scope = _CellScope(torch, target, shell, rewriter)
     timer = None
     try:
         scope.enter()
-        if options.time:
-            from .timing import CellTimer
-            timer = CellTimer(target)
-            timer.start()
+        timer = _started_timer(target) if options.time else None
         stream: Any = None
         streamed: SideStream | None = None
         if options.stream and target.type == "cuda":
@@ -339,10 +319,7 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
                 stream.__exit__(None, None, None)
                 result.recorded = streamed.recorded
         result.ran = True
-        if timer is not None:
-            result.timing = timer.stop()
-        if options.sync:
-            _synchronize(torch, target)
+        _after_the_cell(torch, target, options, timer, result)
     finally:
         if timer is not None:
             timer.close()
@@ -352,6 +329,49 @@ def run_on_device(shell, cell: str, options: OnDeviceOptions | None = None,
         if rewriter is not None:
             _settle(namespace, compiled.tree, target, device, note)
     return result
+
+
+def _compile(shell, cell: str, options: OnDeviceOptions, rewriter):
+    """The cell compiled as IPython compiles it, through the placement rewrite where there is one."""
+    try:
+        return compile_cell(shell, cell, header=options.header,
+                            transformers=[rewriter] if rewriter is not None else [])
+    except SyntaxError as exc:
+        # The error carries the user's file and line; the compiler's frames say nothing more.
+        exc.__traceback__ = None
+        raise exc
+
+
+def _move_for_the_cell(namespace: dict, to_move: list, device: str, target, result: OnDeviceResult,
+                       note) -> DryRunMoves | None:
+    """``--move``: the named values moved to the device before the cell; on ``meta``, a dry run whose
+    originals come back after it (a meta tensor holds no values)."""
+    if not to_move:
+        return None
+    dry_run = DryRunMoves(namespace, to_move) if target.type == "meta" else None
+    result.moved = apply_moves(namespace, to_move, device)
+    said = move_note(result.moved, device)
+    if dry_run is not None:
+        dry_run.moved()
+        said = f"{said} (for this cell: a dry run; they are put back after it)" if said else said
+    if note is not None and said:
+        note(said)
+    return dry_run
+
+
+def _started_timer(target):
+    from .timing import CellTimer
+    timer = CellTimer(target)
+    timer.start()
+    return timer
+
+
+def _after_the_cell(torch, target, options: OnDeviceOptions, timer, result: OnDeviceResult) -> None:
+    """``--time``'s figures, and ``--sync``'s wait for the device."""
+    if timer is not None:
+        result.timing = timer.stop()
+    if options.sync:
+        _synchronize(torch, target)
 
 
 def _settle(namespace: dict, tree, target, device: str, note) -> None:

@@ -54,40 +54,41 @@ def tensors_in(value, device, *, limit: int = 10_000) -> list:
     buffers and gradients, an optimizer's state, and lists/tuples/sets/dicts of those
     (three levels deep, at most ``limit`` items looked at)."""
     import torch
-    device = torch.device(device)
-    found: dict[int, object] = {}
-    budget = [limit]
+    finder = _TensorFinder(torch, torch.device(device), limit)
+    finder.walk(value, 0)
+    return list(finder.found.values())
 
-    def add(t):
-        if isinstance(t, torch.Tensor) and t.device == device:
-            found.setdefault(id(t), t)
+
+class _TensorFinder:
+    """The walk of :func:`tensors_in`: each tensor (and its gradient) once, within a budget of items."""
+
+    def __init__(self, torch, device, limit: int):
+        self.torch, self.device, self.budget = torch, device, limit
+        self.found: dict[int, object] = {}
+
+    def add(self, t) -> None:
+        if isinstance(t, self.torch.Tensor) and t.device == self.device:
+            self.found.setdefault(id(t), t)
             grad = t.grad if t.is_leaf or t.retains_grad else None
-            if grad is not None and grad.device == device:
-                found.setdefault(id(grad), grad)
+            if grad is not None and grad.device == self.device:
+                self.found.setdefault(id(grad), grad)
 
-    def walk(v, depth):
-        budget[0] -= 1
-        if budget[0] < 0:
+    def walk(self, v, depth: int) -> None:
+        self.budget -= 1
+        if self.budget < 0:
             return
+        torch = self.torch
         if isinstance(v, torch.Tensor):
-            add(v)
+            self.add(v)
         elif isinstance(v, torch.nn.Module):
-            for t in v.parameters():
-                add(t)
-            for t in v.buffers():
-                add(t)
+            for t in (*v.parameters(), *v.buffers()):
+                self.add(t)
         elif isinstance(v, torch.optim.Optimizer):
             for state in v.state.values():
-                walk(state, depth + 1)
-        elif depth < 3 and isinstance(v, (list, tuple, set, frozenset)):
-            for item in v:
-                walk(item, depth + 1)
-        elif depth < 3 and isinstance(v, dict):
-            for item in v.values():
-                walk(item, depth + 1)
-
-    walk(value, 0)
-    return list(found.values())
+                self.walk(state, depth + 1)
+        elif depth < 3 and isinstance(v, (list, tuple, set, frozenset, dict)):
+            for item in (v.values() if isinstance(v, dict) else v):
+                self.walk(item, depth + 1)
 
 
 def record_on(tensors, stream) -> int:

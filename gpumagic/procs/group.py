@@ -37,6 +37,15 @@ __all__ = ["Rank", "WorkerGroup"]
 
 
 @dataclass
+class _Collection:
+    """What collecting a cell's results has gathered so far."""
+    pending: set
+    results: list
+    errors: dict = field(default_factory=dict)
+    first_error_at: float | None = None
+
+
+@dataclass
 class Rank:
     """One worker as the kernel sees it."""
     rank: int
@@ -149,54 +158,55 @@ class WorkerGroup:
             stop_open_bars()
 
     def _collect(self, ranks, on_output, on_message, on_tick, grace: float) -> tuple[list, dict, set]:
-        pending = set(range(self.world_size) if ranks is None else ranks)
-        results: list = [None] * self.world_size
-        errors: dict[int, dict] = {}
-        first_error_at = None
+        state = _Collection(set(range(self.world_size) if ranks is None else ranks), [None] * self.world_size)
         last_tick = 0.0
-        while pending:
-            waitables = self.waitables(pending)
+        while state.pending:
+            waitables = self.waitables(state.pending)
             for ready in mpc.wait(list(waitables), timeout=0.1):
                 rank = waitables[ready]
-                if rank not in pending:
-                    continue
-                msg = self._receive(rank, ready)
-                if msg is None:
-                    errors[rank] = self._death(rank)
-                elif msg[0] == "out":
-                    if on_output is not None:
-                        on_output(rank, msg[1], msg[2])
-                    continue
-                elif msg[0] == "msg":
-                    if on_message is not None:
-                        on_message(rank, msg[1])
-                    continue
-                elif msg[0] in ("display", "clear"):
-                    show(msg)   # what the cell displayed on a rank whose output the cell shows
-                    continue
-                elif msg[0] == "done":
-                    try:
-                        data = self._incoming_for(rank).receive(self.ranks[rank].conn, msg[2])
-                    except (EOFError, OSError):
-                        # it died between its result and the result's bytes (killed while sending them)
-                        logger.debug("rank %s went away while sending its result", rank, exc_info=True)
-                        errors[rank] = self._death(rank)
-                    else:
-                        results[rank] = (msg[1], data)
-                elif msg[0] == "error":
-                    errors[rank] = msg[1]
-                else:
-                    continue
-                pending.discard(rank)
-                if rank in errors and first_error_at is None:
-                    first_error_at = time.monotonic()
+                if rank in state.pending and self._take(rank, ready, state, on_output, on_message):
+                    state.pending.discard(rank)
+                    if rank in state.errors and state.first_error_at is None:
+                        state.first_error_at = time.monotonic()
             now = time.monotonic()
             if on_tick is not None and now - last_tick >= 0.1:
                 last_tick = now
                 on_tick()
-            if first_error_at is not None and pending and now - first_error_at > grace:
+            if state.first_error_at is not None and state.pending and now - state.first_error_at > grace:
                 break
-        return results, errors, pending
+        return state.results, state.errors, state.pending
+
+    def _take(self, rank: int, ready, state: _Collection, on_output, on_message) -> bool:
+        """Take one message from ``rank``; True where the rank is finished (done, failed or gone)."""
+        msg = self._receive(rank, ready)
+        if msg is None:
+            state.errors[rank] = self._death(rank)
+            return True
+        kind = msg[0]
+        if kind == "out" and on_output is not None:
+            on_output(rank, msg[1], msg[2])
+        elif kind == "msg" and on_message is not None:
+            on_message(rank, msg[1])
+        elif kind in ("display", "clear"):
+            show(msg)   # what the cell displayed on a rank whose output the cell shows
+        elif kind == "done":
+            self._result(rank, msg, state)
+            return True
+        elif kind == "error":
+            state.errors[rank] = msg[1]
+            return True
+        return False
+
+    def _result(self, rank: int, msg, state: _Collection) -> None:
+        """A rank's result, with the bytes it sent after it."""
+        try:
+            data = self._incoming_for(rank).receive(self.ranks[rank].conn, msg[2])
+        except (EOFError, OSError):
+            # it died between its result and the result's bytes (killed while sending them)
+            logger.debug("rank %s went away while sending its result", rank, exc_info=True)
+            state.errors[rank] = self._death(rank)
+        else:
+            state.results[rank] = (msg[1], data)
 
     def _receive(self, rank: int, ready):
         """The next message from ``rank``, or None when it went away (closed pipe, or ended)."""

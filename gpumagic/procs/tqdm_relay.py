@@ -130,8 +130,18 @@ def _patch(module) -> None:
     cls = getattr(module, "tqdm", None)
     if cls is None or getattr(cls.display, "_gpumagic_html", False):
         return
-    own_display, own_clear, own_close = cls.display, cls.clear, cls.close
+    methods = (("display", _display_for(cls.display)), ("clear", _clear_for(cls.clear)),
+               ("close", _close_for(cls.close)))
+    for name, method in methods:
+        method._gpumagic_html = True
+        method.__doc__ = getattr(cls, name).__doc__
+        setattr(cls, name, method)
+    if not getattr(cls.__init__, "_gpumagic_html", False):
+        cls.__init__ = _html_init(cls.__init__)
 
+
+def _display_for(own_display):
+    """tqdm's ``display``, drawing an HTML bar where the worker's output shows as HTML."""
     def display(self, msg=None, pos=None):
         shown = _shown(self)
         if shown is None:
@@ -142,12 +152,19 @@ def _patch(module) -> None:
             _follow_share(self)
             _draw(self, shown)
         return True
+    return display
 
+
+def _clear_for(own_clear):
     def clear(self, nolock=False):
         if not isinstance(vars(self).get(_ATTR), _Shown):
             return own_clear(self, nolock=nolock)
         return None   # (tqdm.write clears bars around its line: an HTML bar is not in the text)
+    return clear
 
+
+def _close_for(own_close):
+    """tqdm's ``close``: an HTML bar ends green, red where it stopped early, or goes where it does not stay."""
     def close(self):
         shown = vars(self).get(_ATTR)
         if not isinstance(shown, _Shown) or getattr(self, "disable", True):
@@ -169,13 +186,7 @@ def _patch(module) -> None:
         elif shown.sent:
             _send(self, shown, data={"text/html": "", "text/plain": ""})
         return None
-
-    for name, method in (("display", display), ("clear", clear), ("close", close)):
-        method._gpumagic_html = True  # type: ignore[attr-defined]
-        method.__doc__ = getattr(cls, name).__doc__
-        setattr(cls, name, method)
-    if not getattr(cls.__init__, "_gpumagic_html", False):
-        cls.__init__ = _html_init(cls.__init__)
+    return close
 
 
 def _html_init(own_init):

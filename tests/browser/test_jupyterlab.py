@@ -324,6 +324,33 @@ def _wait_history_points(gauge, accept, timeout: float = 90.0) -> tuple[int, str
     raise AssertionError(f"the gauge's history line never showed the expected points; last: {seen!r}")
 
 
+_OUTPUT_AREA = "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' jp-OutputArea ')][1]"
+
+
+def _picture(picker, gauge) -> str:
+    """README's and the site's picture: ``%gpuinfo``'s output (table and picker) above the gauges.
+
+    Saved as ``artifacts/browser/picker-and-gauges.png``, in 64 colours (a few tens of KB);
+    ``docs/_static/picker-and-gauges.png`` is a copy of it.
+    """
+    from PIL import Image
+    parts = []
+    for i, element in enumerate((picker, gauge)):
+        area = element.locator(_OUTPUT_AREA)
+        area.scroll_into_view_if_needed()
+        path = SHOTS / f"picture_part{i}.png"
+        area.screenshot(path=str(path))
+        with Image.open(path) as part:
+            parts.append(part.convert("RGB"))
+    gap = 16
+    canvas = Image.new("RGB", (max(p.width for p in parts), sum(p.height for p in parts) + gap), "white")
+    canvas.paste(parts[0], (0, 0))
+    canvas.paste(parts[1], (0, parts[0].height + gap))
+    out = SHOTS / "picker-and-gauges.png"
+    canvas.quantize(colors=64).save(out, optimize=True)
+    return str(out)
+
+
 # --------------------------------------------------------------------------- the test
 
 def test_tour_in_jupyterlab(lab, browser):
@@ -404,6 +431,7 @@ def _tour(lab, page):
     gauge.scroll_into_view_if_needed()
     _shot(page, "04b_gauge_history")
     print(f"CPU history line: {points} points; {title!r}")
+    print(f"the picture of the picker and the gauges: {_picture(picker, gauge)}")
 
     # Stopping the gauges ends their thread; the kernel is still usable afterwards.
     _add_cell_and_run(page, "%gpumem --stop")
