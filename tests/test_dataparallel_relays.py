@@ -1,4 +1,4 @@
-"""A notebook's TensorBoard SummaryWriter in a %%dataparallel cell (gpumagic.dataparallel.relays).
+"""A notebook's TensorBoard SummaryWriter in a %%dataparallel cell (gpumagic.procs.relays).
 
 PyTorch's TensorBoard tutorial makes ``writer = SummaryWriter('runs/...')`` in one cell and calls
 ``writer.add_scalar('training loss', ...)`` in the training loop. The writer holds a thread and an
