@@ -28,6 +28,7 @@ from . import nvml
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "visible_devices_setting",
     "Gpu", "visible_gpus", "available_devices", "parse_device", "default_device", "current_device",
     "set_current_device", "torch_cuda_initialized", "normalize_bus_id", "multiprocessors", "mps_available",
     "torch_cpu_only", "cpu_only_note", "unchecked_gpu", "bounded_gpus",

@@ -23,6 +23,9 @@ from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["NvmlUnavailable", "NvmlTimeout", "READ_TIMEOUT", "READER_NAME", "generation", "use", "lib", "available",
+           "unavailable_reason", "query", "text", "bounded", "timeout_note", "left_stuck", "stuck_note"]
+
 _lock = threading.Lock()
 _lib: Any = None            # the pynvml module (from nvidia-ml-py), or a stand-in
 _error: str | None = None   # why NVML is unavailable, once we know

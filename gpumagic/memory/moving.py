@@ -31,7 +31,7 @@ from .storages import Collector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StorageGroup", "MoveResult", "gather", "move"]
+__all__ = ["StorageGroup", "MoveResult", "gather", "move", "interrupts_held"]
 
 STAGE_BYTES = 64 << 20   # each of the two pinned buffers a GPU-to-pageable copy goes through
 

@@ -344,7 +344,7 @@ def rank_oom_report(error: BaseException, ns: dict, rank: int, world: int) -> Oo
     on the rank and the failing frames' locals) and its loaders' per-rank batch sizes."""
     report = oom_report(error, ns, on_rank=True)
     report.rank = rank
-    report.batches = per_rank_batches(ns, world)
+    report.batches = _per_rank_batches(ns, world)
     # On a rank, the advice is the kernel's to give: the cell re-runs from the notebook.
     report.advice = [a for a in report.advice if "--rescue" not in a and "`del " not in a]
     if report.batches:
@@ -353,7 +353,7 @@ def rank_oom_report(error: BaseException, ns: dict, rank: int, world: int) -> Oo
     return report
 
 
-def per_rank_batches(ns: dict, world: int) -> list[str]:
+def _per_rank_batches(ns: dict, world: int) -> list[str]:
     """``train_loader 32 (a batch of 128 over 4 ranks)`` for each DataLoader in the rank's namespace."""
     data = sys.modules.get("torch.utils.data")
     loader_type = getattr(data, "DataLoader", None)

@@ -21,7 +21,7 @@ from .storages import AUTOGRAD, Collector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VarMemory", "VarsReport", "variable_memory"]
+__all__ = ["VarMemory", "VarsReport", "variable_memory", "exclusive_bytes"]
 
 
 def _torch():

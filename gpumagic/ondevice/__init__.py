@@ -7,3 +7,5 @@ In a notebook::
     %%ondevice cuda:1 --time
     y = model(x.cuda())
 """
+
+__all__: list[str] = []

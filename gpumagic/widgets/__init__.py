@@ -4,3 +4,5 @@ Each module imports ipywidgets itself, so ``import gpumagic`` never does;
 callers check :func:`gpumagic.display.widgets_supported` first and fall back
 to text in terminal IPython.
 """
+
+__all__: list[str] = []

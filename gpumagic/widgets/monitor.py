@@ -42,7 +42,7 @@ from .sparkline import sparkline
 logger = logging.getLogger(__name__)
 
 __all__ = ["Monitor", "start", "stop", "restart", "current", "THREAD_NAME", "DEFAULT_INTERVAL", "STOP_TIMEOUT",
-           "SPLIT_EVERY"]
+           "SPLIT_EVERY", "GaugeBox"]
 
 THREAD_NAME = "gpumagic-memory-monitor"
 DEFAULT_INTERVAL = 0.25
