@@ -358,14 +358,16 @@ def floors(started: Started, home: Path, on_gpu: bool, kernels=(("team/a.ipynb",
     orphan, dead = orphan_worker(started, home, rank=0, hold_bytes=orphan_gib * 2**30 if on_gpu else 0)
     if on_gpu:
         other, user = other_users_process(started, (sys.executable, "-c", _HOLD, str(other_gib * 2**30)),
-                                          ready=lambda pid: _on_gpu(pid))
+                                          ready=lambda pid: _on_gpu(pid, other_gib * 2**30))
     else:
         other, user = other_users_process(started)
     return Floors(server, held, orphan, dead, other, user)
 
 
-def _on_gpu(pid: int) -> bool:
-    """Whether NVML lists ``pid`` on a GPU (read here, with no CUDA context)."""
+def _on_gpu(pid: int, nbytes: int) -> bool:
+    """Whether NVML lists ``pid`` holding ``nbytes`` or more on a GPU (read here, with no CUDA context): its
+    context is made and its tensor allocated, so what it holds stays put while the tests read it."""
     from gpumagic.devices import visible_gpus
     from gpumagic.devices.memory import listed_processes
-    return any(pid in (listed_processes(g.handle) or {}) for g in visible_gpus() if g.handle is not None)
+    return any(((listed_processes(g.handle) or {}).get(pid) or 0) >= nbytes for g in visible_gpus()
+               if g.handle is not None)

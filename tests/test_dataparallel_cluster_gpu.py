@@ -84,7 +84,8 @@ def _train_on_engines(shell, engines: int):
     # the rendezvous store closed between cells (NCCL's threads run on meanwhile); a later cell forms a group
     # of its own through the next cell's store, and NCCL connects it
     time.sleep(5)
-    dp_cell(shell, "--cluster", "import torch.distributed as dist\n"
+    # (--model: a cell with no model of its own names the one it leaves as it is)
+    dp_cell(shell, "--cluster --model model", "import torch.distributed as dist\n"
                                 "group = dist.new_group(list(range(dist.get_world_size())))\n"
                                 "t = torch.ones(1, device='cuda')\ndist.all_reduce(t, group=group)\ns = t.item()\n")
     assert ns["s"] == engines

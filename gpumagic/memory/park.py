@@ -10,8 +10,11 @@ to the device it came from.
 
 What cannot move is named and left where it is: a device where a CUDA graph is
 kept or being captured (a graph reads its tensors at fixed addresses) is not
-touched at all; what an autograd graph in flight saved for backward stays, with
-the variable that holds it; memory only C++ holds is reported as left.
+touched at all; memory only C++ holds is reported as left. An autograd graph in
+flight (``loss`` before its ``backward()``) moves with the rest: its saved tensors
+share their tensor objects with what moves; ``backward()`` after ``--unpark``
+gives the gradients it would have given. A saved tensor that cannot be pointed
+elsewhere stays, named with the variable that holds it.
 """
 from __future__ import annotations
 
