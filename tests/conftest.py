@@ -109,22 +109,15 @@ def no_last_error():
     from IPython.core.interactiveshell import InteractiveShell
 
     from gpumagic.memory import last_error
+    from gpumagic.memory.free import trim_c_heap
     last_error.let_go(InteractiveShell.instance() if InteractiveShell.initialized() else None)
     sys.last_type = sys.last_value = sys.last_traceback = None
     if sys.version_info >= (3, 12):
         sys.last_exc = None
     gc.collect()
-    _trim_c_heap()
-
-
-def _trim_c_heap() -> None:
-    """Give back what glibc's heap kept of earlier tests' freed memory: a test that measures the kernel's
-    resident memory must not see it fall when the code under test trims the heap (``%gpumem --free``)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc
-        pass
+    # what glibc's heap kept of earlier tests' freed memory goes back first: a test that measures resident
+    # memory must not see it fall when the code under test trims the heap (%gpumem --free, --rescue)
+    trim_c_heap()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from .variables import VarsReport, _torch, variable_memory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FreedRow", "FreeReport", "free_memory", "measure", "release_caches", "ErrorRelease",
+__all__ = ["FreedRow", "FreeReport", "free_memory", "measure", "release_caches", "trim_c_heap", "ErrorRelease",
            "release_last_error"]
 
 UNNAMED_FLOOR = 2 << 20   # bytes a GPU's allocation may exceed its variables' before the rest is looked for
@@ -80,7 +80,7 @@ def release_caches(torch) -> int:
     it keeps for reuse rather than give back (``malloc_trim``). Returns what the collector found
     unreachable."""
     collected = gc.collect()
-    _trim_c_heap()
+    trim_c_heap()
     if torch is None or not devices.torch_cuda_initialized():
         return collected
     torch.cuda.synchronize()
@@ -97,7 +97,7 @@ def release_caches(torch) -> int:
     return collected
 
 
-def _trim_c_heap() -> None:
+def trim_c_heap() -> None:
     """glibc keeps freed blocks under 32 MiB (a tensor of a few MiB, an activation) in its heap: the
     kernel's resident memory stays up until ``malloc_trim`` gives the free pages back."""
     if not sys.platform.startswith("linux"):
