@@ -83,9 +83,15 @@ def _helper_pids() -> set:
 
 
 def _helper_fds() -> set:
-    from multiprocessing import forkserver, resource_tracker
+    """Descriptors of multiprocessing's long-lived helpers: the resource tracker's pipe, the fork
+    server's, and the resource sharer's listening socket (opened on the first descriptor handed to a
+    spawned process, kept for the life of the kernel)."""
+    from multiprocessing import forkserver, resource_sharer, resource_tracker
     fds = {getattr(resource_tracker._resource_tracker, "_fd", None),
            getattr(forkserver._forkserver, "_forkserver_alive_fd", None)}
+    listener = getattr(resource_sharer._resource_sharer, "_listener", None)
+    if listener is not None:
+        fds.add(listener._listener._socket.fileno())
     return {str(f) for f in fds if f is not None}
 
 
@@ -152,10 +158,30 @@ class Hygiene:
             if hasattr(sys, name):
                 setattr(sys, name, None)
         gc.collect()
-        after = _fds()
-        leaked = {fd: target for fd, target in after.items()
-                  if self.fds.get(fd) != target and fd not in _helper_fds()}
-        assert not leaked, f"open files leaked: {leaked}"
+        # The resource sharer's thread closes each connection just after the worker got its
+        # descriptor: give a connection still closing a moment.
+        deadline = time.monotonic() + 5
+        while (leaked := self._leaked()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not leaked, f"open files leaked: {leaked} {_socket_lines(leaked.values())}"
+
+    def _leaked(self) -> dict:
+        return {fd: target for fd, target in _fds().items()
+                if self.fds.get(fd) != target and fd not in _helper_fds()}
+
+
+def _socket_lines(targets) -> list:
+    """What the kernel's socket tables say of these sockets (kind, address, state), to tell whose
+    a leaked socket is."""
+    inodes = {t[len("socket:["):-1] for t in targets if t.startswith("socket:[")}
+    lines = []
+    for table in ("unix", "tcp", "tcp6", "udp"):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                lines += [f"{table}: {line.strip()}" for line in f if set(line.split()) & inodes]
+        except OSError:
+            continue
+    return lines
 
 
 def _alive(pid: int) -> bool:

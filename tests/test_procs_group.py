@@ -104,6 +104,32 @@ def test_workers_run_their_first_task_report_and_exit(method, monkeypatch):
     assert codes == [0, 0] and not any(_alive(p["pid"]) for p in payloads)
 
 
+def _sockets() -> set:
+    """This process's open sockets (a duplex pipe is a socket pair)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                out.add(fd)
+        except OSError:
+            continue
+    return out
+
+
+def test_a_worker_that_cannot_start_leaves_no_pipe_open():
+    """Spawn pickles each worker's arguments: a lock among them fails the start, and the kernel's
+    end of that worker's pipe is closed with the rest, even while the error is kept (a notebook
+    keeps the last one, frames and all, for ``%debug``)."""
+    import threading
+    group = WorkerGroup(["cpu", "cpu"], name="test")
+    before = _sockets()
+    with pytest.raises(TypeError, match="pickle") as kept:
+        group.start("spawn", _configs(2, "spawn"), first=[f"{THIS}:report_task", {"lock": threading.Lock()}, None])
+    assert [r.process for r in group.ranks] == [None, None]
+    assert _sockets() <= before
+    del kept
+
+
 def test_only_rank_0_prints_unless_every_rank_is_asked_to():
     group = WorkerGroup(["cpu", "cpu"], name="test")
     printed = []

@@ -97,6 +97,9 @@ class WorkerGroup:
                     args = (child, configs[r.rank]) if first is None else (child, configs[r.rank], list(first))
                     try:
                         r.process = start_process(ctx, worker_main, args, f"gpumagic-{self.name}-{r.rank}")
+                    except BaseException:
+                        parent.close()   # no worker at its other end: end() would not see it
+                        raise
                     finally:
                         child.close()
                     r.conn, r.pid = parent, r.process.pid
