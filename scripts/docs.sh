@@ -25,12 +25,9 @@ for arg in "$@"; do
     esac
 done
 # shellcheck source=scripts/venv.sh
-source "$here/venv.sh"   # GPUMAGIC_VENV, absolute
+source "$here/venv.sh"   # GPUMAGIC_VENV, absolute; use_venv
 
-bash "$here/setup.sh" "${setup_args[@]}"
-cd "$(dirname "$here")"
-export VIRTUAL_ENV="$GPUMAGIC_VENV" PATH="$GPUMAGIC_VENV/bin:$PATH"
-unset PYTHONHOME
+use_venv "${setup_args[@]}"
 [[ $clean -eq 0 ]] || rm -rf docs/_build
 echo "docs: python -m sphinx -W --keep-going -b html docs docs/_build/html"
 start=$SECONDS

@@ -28,13 +28,9 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 # shellcheck source=scripts/venv.sh
-source "$here/venv.sh"   # GPUMAGIC_VENV, absolute
+source "$here/venv.sh"   # GPUMAGIC_VENV, absolute; use_venv
 
-bash "$here/setup.sh" "${setup_args[@]}"
-cd "$(dirname "$here")"
-# As `source $GPUMAGIC_VENV/bin/activate` would: subprocesses that run `python` get this one.
-export VIRTUAL_ENV="$GPUMAGIC_VENV" PATH="$GPUMAGIC_VENV/bin:$PATH"
-unset PYTHONHOME
+use_venv "${setup_args[@]}"
 python -c "import torch, IPython, ipywidgets; print('torch', torch.__version__, '| IPython', IPython.__version__, '| ipywidgets', ipywidgets.__version__)"
 
 if [[ $lint -eq 1 ]]; then

@@ -8,3 +8,15 @@ else
     GPUMAGIC_VENV="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
 fi
 export GPUMAGIC_VENV
+
+_gpumagic_scripts="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# use_venv [SETUP_ARGS...]: set up (or reuse) the environment (scripts/setup.sh), go to the
+# checkout's root, and use the environment as `source $GPUMAGIC_VENV/bin/activate` would:
+# subprocesses that run `python` get this one.
+use_venv() {
+    bash "$_gpumagic_scripts/setup.sh" "$@"
+    cd "$(dirname "$_gpumagic_scripts")"
+    export VIRTUAL_ENV="$GPUMAGIC_VENV" PATH="$GPUMAGIC_VENV/bin:$PATH"
+    unset PYTHONHOME
+}
